@@ -1,0 +1,526 @@
+"""The agent: one per process. Sends requests, matches replies, serves requests.
+
+Theory of operation:
+
+- ``send(peer, kind, obj, timeout)`` encodes the message, records a pending
+  entry ``request_id -> (future, peer, what, deadline)`` and queues the frame on
+  the one stream this worker keeps to ``peer``. The stream's receive thread
+  completes the future when the REPLY or ERROR with that id comes back.
+- A request frame arriving on the server is decoded and run on the worker
+  pool by the handler registered for its kind; the handler's result (or a
+  ``Deferred`` future's, for ``async_execution``) goes back as one reply.
+- Exactly one of three things ends a pending entry, whichever pops it first:
+  its reply, its deadline (one thread watches the earliest deadline), or the
+  stream to its peer breaking. Popping is atomic, so a late reply is dropped.
+- Upper layers plug in without the agent importing them: protocol kinds
+  register handlers; distributed autograd sets ``autograd_hooks`` to see
+  tensors that require grad as they are sent and received.
+
+Locks: none on the per-call path (the pending table is a dict; ids come from
+an atomic counter). ``_connect_lock`` guards opening a peer's stream once.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import pickle
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import grpc
+import torch
+
+from rrpc import codec, messages, transport
+from rrpc.messages import (
+    ERROR,
+    REPLY,
+    PeerUnavailableError,
+    RemoteError,
+    RpcError,
+    RpcTimeoutError,
+    WorkerInfo,
+    thread_state,
+)
+from rrpc.options import RpcBackendOptions
+
+log = logging.getLogger("rrpc")
+
+Handler = Callable[[Any, WorkerInfo], Any]
+# (caller rank, request id, is_reply): names one message, and so one send/recv pair.
+MessageKey = tuple[int, int, bool]
+
+
+class AutogradHooks(Protocol):
+    def on_send(
+        self, context_id: int, peer: WorkerInfo, key: MessageKey, tensors: list[torch.Tensor]
+    ) -> None: ...
+
+    def tensor_hook(
+        self, context_id: int, peer: WorkerInfo, key: MessageKey
+    ) -> Callable[[torch.Tensor], torch.Tensor]: ...
+
+
+class Deferred:
+    """A handler's result that is not ready yet: the reply waits for ``future``."""
+
+    __slots__ = ("future",)
+
+    def __init__(self, future: torch.futures.Future):
+        self.future = future
+
+
+@dataclass
+class PeerStats:
+    """Counters of traffic with one peer (requests this worker sent and served)."""
+
+    calls_sent: int = 0
+    calls_served: int = 0
+    errors: int = 0
+    timeouts: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    tensor_bytes_sent: int = 0
+    tensor_bytes_received: int = 0
+    latency_total: float = 0.0  # seconds, over replies received
+    replies: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        stats = dict(self.__dict__)
+        stats["latency_mean_us"] = 1e6 * self.latency_total / self.replies if self.replies else 0.0
+        return stats
+
+
+@dataclass(slots=True)
+class _Pending:
+    future: torch.futures.Future
+    peer: WorkerInfo
+    what: str
+    deadline: float
+    started: float
+
+
+def remote_exception_payload(exc: BaseException, where: str) -> tuple:
+    """What an ERROR reply carries: the exception if it pickles, and always its text."""
+    text = "".join(traceback.format_exception(exc))
+    try:
+        blob: bytes | None = pickle.dumps(exc)
+    except Exception:
+        blob = None
+    name = f"{type(exc).__module__}.{type(exc).__qualname__}"
+    return blob, name, str(exc), text, where
+
+
+def rebuild_remote_exception(payload: tuple) -> BaseException:
+    blob, name, message, text, where = payload
+    exc: BaseException | None = None
+    if blob is not None:
+        try:
+            exc = pickle.loads(blob)
+        except Exception:
+            exc = None
+    if not isinstance(exc, BaseException):
+        exc = RemoteError(name, message, text)
+    exc.remote_traceback = text  # type: ignore[union-attr]
+    exc.add_note(f"\nRemote traceback (on {where}):\n{text.rstrip()}")
+    return exc
+
+
+class _WorkerPool:
+    """Fixed threads running incoming requests; a bare queue keeps submit cheap."""
+
+    def __init__(self, size: int, name: str):
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(size)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, fn: Callable[..., None], *args: Any) -> None:
+        self._tasks.put((fn, args))
+
+    def _run(self) -> None:
+        while (task := self._tasks.get()) is not None:
+            fn, args = task
+            try:
+                fn(*args)
+            except BaseException:
+                log.exception("rrpc: a request handler failed outside its own error handling")
+
+    def stop(self, timeout: float) -> None:
+        for _ in self._threads:
+            self._tasks.put(None)
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()))
+
+
+class _Deadlines:
+    """One thread that fails pending calls whose deadline passed.
+
+    It sleeps until the earliest deadline it knows; ``watch`` wakes it only when
+    a new deadline is earlier than that (rare: timeouts are mostly equal).
+    """
+
+    def __init__(self, pending: dict[int, _Pending], expire: Callable[[int], None]):
+        self._pending = pending
+        self._expire = expire
+        self._cond = threading.Condition()
+        self._next = math.inf
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="rrpc-deadlines", daemon=True)
+        self._thread.start()
+
+    def watch(self, deadline: float) -> None:
+        if deadline < self._next:
+            with self._cond:
+                if deadline < self._next:
+                    self._next = deadline
+                    self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                now = time.monotonic()
+                while not self._stopped and self._next > now:
+                    self._cond.wait(None if self._next == math.inf else self._next - now)
+                    now = time.monotonic()
+                if self._stopped:
+                    return
+                self._next = math.inf  # a watch() during the scan below must notify
+            expired, earliest = [], math.inf
+            for request_id, pending in list(self._pending.items()):
+                if pending.deadline <= now:
+                    expired.append(request_id)
+                else:
+                    earliest = min(earliest, pending.deadline)
+            self.watch(earliest)
+            for request_id in expired:
+                self._expire(request_id)
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        self._thread.join(5.0)
+
+
+class Agent:
+    """This process's RPC endpoint. Created by ``init_rpc``; see the module doc."""
+
+    def __init__(self, name: str, rank: int, host: str, options: RpcBackendOptions):
+        self.info = WorkerInfo(name, rank)
+        self.options = options
+        self.handlers: dict[int, Handler] = {}
+        self.autograd_hooks: AutogradHooks | None = None
+        self.stats: dict[str, PeerStats] = {}
+        self._peers_by_name: dict[str, WorkerInfo] = {}
+        self._peers_by_rank: dict[int, WorkerInfo] = {}
+        self._addresses: dict[int, str] = {}
+        self._pending: dict[int, _Pending] = {}
+        self._ids = itertools.count(1)
+        self._connections: dict[int, transport.Connection] = {}
+        self._connect_lock = threading.Lock()
+        self._stopped = False
+        self._server_credentials, self._channel_credentials = _tls_credentials(options)
+        self._metadata = [("rrpc-rank", str(rank))]
+        if options.auth_token is not None:
+            self._metadata.append(("rrpc-token", options.auth_token))
+        self._pool = _WorkerPool(options.num_worker_threads, f"rrpc-{name}")
+        self._deadlines = _Deadlines(self._pending, self._expire)
+        self.server = transport.Server(
+            host,
+            self._on_request,
+            options.auth_token,
+            options.chunk_size,
+            options.max_message_size,
+            self._server_credentials,
+        )
+        self.address = f"{_bracket(host)}:{self.server.port}"
+
+    # -- Peers -----------------------------------------------------------------
+    def add_peer(self, info: WorkerInfo, address: str) -> None:
+        self._peers_by_name[info.name] = info
+        self._peers_by_rank[info.id] = info
+        self._addresses[info.id] = address
+
+    def worker_info(self, to: Any) -> WorkerInfo:
+        """Resolve a name, a rank or a WorkerInfo to a known worker."""
+        if isinstance(to, WorkerInfo):
+            found = self._peers_by_rank.get(to.id)
+        elif isinstance(to, str):
+            found = self._peers_by_name.get(to)
+        elif isinstance(to, int):
+            found = self._peers_by_rank.get(to)
+        else:
+            raise TypeError(f"'to' must be a worker name, rank or WorkerInfo, not {type(to)}")
+        if found is None:
+            known = ", ".join(sorted(self._peers_by_name)) or "none"
+            raise ValueError(f"unknown worker {to!r} (known workers: {known})")
+        return found
+
+    def all_workers(self) -> list[WorkerInfo]:
+        return [self._peers_by_rank[rank] for rank in sorted(self._peers_by_rank)]
+
+    def peer_stats(self, peer: WorkerInfo) -> PeerStats:
+        stats = self.stats.get(peer.name)
+        if stats is None:
+            stats = self.stats.setdefault(peer.name, PeerStats())
+        return stats
+
+    # -- Sending ---------------------------------------------------------------
+    def send(self, peer: WorkerInfo, kind: int, obj: Any, timeout: float, what: str):
+        """Send a request; returns a ``torch.futures.Future`` of its reply."""
+        if self._stopped:
+            raise RpcError(f"{what} to {peer.name}: rrpc on {self.info.name} is shut down")
+        context_id = thread_state.autograd_context_id
+        request_id = next(self._ids)
+        out = codec.encode(
+            kind,
+            request_id,
+            obj,
+            autograd_context_id=context_id,
+            peer=peer,
+            max_message_size=self.options.max_message_size,
+        )
+        if out.grad_tensors and context_id and self.autograd_hooks is not None:
+            key = (self.info.id, request_id, False)
+            self.autograd_hooks.on_send(context_id, peer, key, out.grad_tensors)
+        connection = self._connection(peer)
+        future: torch.futures.Future = torch.futures.Future()
+        now = time.monotonic()
+        deadline = now + timeout if timeout > 0 else math.inf
+        self._pending[request_id] = _Pending(future, peer, what, deadline, now)
+        if deadline != math.inf:
+            self._deadlines.watch(deadline)
+        stats = self.peer_stats(peer)
+        stats.calls_sent += 1
+        stats.bytes_sent += out.size
+        stats.tensor_bytes_sent += sum(len(piece) for piece in out.pieces[1:])
+        connection.send(out.pieces)
+        if connection.closed:  # it broke between lookup and send: fail now, not at the deadline
+            self._fail(request_id, PeerUnavailableError(f"{peer.name} is unreachable"))
+        return future
+
+    def _connection(self, peer: WorkerInfo) -> transport.Connection:
+        connection = self._connections.get(peer.id)
+        if connection is not None:
+            return connection
+        with self._connect_lock:
+            connection = self._connections.get(peer.id)
+            if connection is None:
+                if self._stopped:
+                    raise RpcError(f"rrpc on {self.info.name} is shut down")
+                connection = transport.Connection(
+                    self._addresses[peer.id],
+                    self._metadata,
+                    on_frame=lambda frame: self._on_reply(peer, frame),
+                    on_close=lambda error: self._on_stream_closed(peer, connection, error),
+                    packet_size=self.options.chunk_size,
+                    max_message_size=self.options.max_message_size,
+                    peer_name=peer.name,
+                    credentials=self._channel_credentials,
+                )
+                self._connections[peer.id] = connection
+        return connection
+
+    def _on_reply(self, peer: WorkerInfo, frame: codec.Frame) -> None:
+        envelope = frame.envelope
+        pending = self._pending.pop(envelope.request_id, None)
+        stats = self.peer_stats(peer)
+        stats.bytes_received += len(frame.payload) + sum(len(b) for b in frame.buffers)
+        stats.tensor_bytes_received += sum(len(b) for b in frame.buffers)
+        if pending is None:
+            return  # timed out or failed already
+        stats.replies += 1
+        stats.latency_total += time.monotonic() - pending.started
+        hook = None
+        context_id = envelope.autograd_context_id
+        if context_id and self.autograd_hooks is not None:
+            key = (self.info.id, envelope.request_id, True)
+            hook = self.autograd_hooks.tensor_hook(context_id, peer, key)
+        try:
+            value = codec.loads(frame, peer, hook)
+        except Exception as exc:
+            stats.errors += 1
+            pending.future.set_exception(exc)
+            return
+        if envelope.kind == ERROR:
+            stats.errors += 1
+            pending.future.set_exception(rebuild_remote_exception(value))
+        else:
+            pending.future.set_result(value)
+
+    def _fail(self, request_id: int, error: BaseException) -> None:
+        pending = self._pending.pop(request_id, None)
+        if pending is not None:
+            pending.future.set_exception(error)
+
+    def _expire(self, request_id: int) -> None:
+        pending = self._pending.get(request_id)
+        if pending is None:
+            return
+        self.peer_stats(pending.peer).timeouts += 1
+        limit = pending.deadline - pending.started
+        self._fail(
+            request_id,
+            RpcTimeoutError(
+                f"{pending.what} on {pending.peer.name} timed out after {limit:g} s "
+                f"(called from {self.info.name})"
+            ),
+        )
+
+    def _on_stream_closed(
+        self, peer: WorkerInfo, connection: transport.Connection, error: BaseException | None
+    ) -> None:
+        with self._connect_lock:
+            if self._connections.get(peer.id) is connection:
+                del self._connections[peer.id]  # the next call reconnects (or fails fast)
+        reason = error or PeerUnavailableError(f"stream to {peer.name} closed")
+        for request_id, pending in list(self._pending.items()):
+            if pending.peer.id == peer.id:
+                failure = type(reason)(f"{pending.what} on {peer.name} failed: {reason}")
+                self._fail(request_id, failure)
+
+    # -- Serving ---------------------------------------------------------------
+    def register(self, kind: int, handler: Handler) -> None:
+        self.handlers[kind] = handler
+
+    def _on_request(self, frame: codec.Frame, peer_rank: int, respond) -> None:
+        peer = self._peers_by_rank.get(peer_rank) or WorkerInfo(f"rank{peer_rank}", peer_rank)
+        self._pool.submit(self._serve, frame, peer, respond)
+
+    def _serve(self, frame: codec.Frame, peer: WorkerInfo, respond) -> None:
+        envelope = frame.envelope
+        context_id = envelope.autograd_context_id
+        stats = self.peer_stats(peer)
+        stats.calls_served += 1
+        stats.bytes_received += len(frame.payload) + sum(len(b) for b in frame.buffers)
+        stats.tensor_bytes_received += sum(len(b) for b in frame.buffers)
+        previous_context = thread_state.autograd_context_id
+        thread_state.autograd_context_id = context_id
+        try:
+            handler = self.handlers.get(envelope.kind)
+            if handler is None:
+                raise RpcError(f"{self.info.name} has no handler for {messages.kind_name(envelope.kind)}")
+            hook = None
+            if context_id and self.autograd_hooks is not None:
+                key = (peer.id, envelope.request_id, False)
+                hook = self.autograd_hooks.tensor_hook(context_id, peer, key)
+            result = handler(codec.loads(frame, peer, hook), peer)
+        except BaseException as exc:
+            self._reply_error(exc, peer, envelope.request_id, respond)
+            return
+        finally:
+            thread_state.autograd_context_id = previous_context
+        if isinstance(result, Deferred):
+            result.future.add_done_callback(
+                lambda done: self._reply_future(done, peer, envelope.request_id, context_id, respond)
+            )
+        else:
+            self._reply(result, peer, envelope.request_id, context_id, respond)
+
+    def _reply_future(self, done, peer, request_id, context_id, respond) -> None:
+        try:
+            result = done.value()
+        except BaseException as exc:
+            self._reply_error(exc, peer, request_id, respond)
+            return
+        self._reply(result, peer, request_id, context_id, respond)
+
+    def _reply(self, result: Any, peer: WorkerInfo, request_id: int, context_id: int, respond):
+        try:
+            out = codec.encode(
+                REPLY,
+                request_id,
+                result,
+                autograd_context_id=context_id,
+                peer=peer,
+                max_message_size=self.options.max_message_size,
+            )
+        except BaseException as exc:
+            self._reply_error(exc, peer, request_id, respond)
+            return
+        if out.grad_tensors and context_id and self.autograd_hooks is not None:
+            key = (peer.id, request_id, True)
+            self.autograd_hooks.on_send(context_id, peer, key, out.grad_tensors)
+        stats = self.peer_stats(peer)
+        stats.bytes_sent += out.size
+        stats.tensor_bytes_sent += sum(len(piece) for piece in out.pieces[1:])
+        respond(out.pieces)
+
+    def _reply_error(self, exc: BaseException, peer: WorkerInfo, request_id: int, respond):
+        payload = remote_exception_payload(exc, self.info.name)
+        respond(codec.encode(ERROR, request_id, payload, peer=peer).pieces)
+
+    # -- Lifecycle -------------------------------------------------------------
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until no request this worker sent is pending. False on timeout."""
+        deadline = time.monotonic() + timeout
+        while self._pending:
+            for pending in list(self._pending.values()):
+                if not _wait_future(pending.future, deadline - time.monotonic()):
+                    return False
+        return True
+
+    def stop(self, graceful: bool) -> None:
+        """Close every stream and the server; fail what is still pending."""
+        with self._connect_lock:
+            self._stopped = True
+            connections = list(self._connections.values())
+            self._connections.clear()
+        for connection in connections:
+            connection.close() if graceful else connection.abort()
+        for request_id in list(self._pending):
+            self._fail(request_id, RpcError(f"rrpc on {self.info.name} shut down"))
+        self.server.stop(1.0 if graceful else 0)
+        self._deadlines.stop()
+        self._pool.stop(5.0 if graceful else 0.5)
+
+
+_current: Agent | None = None
+
+
+def current_agent() -> Agent:
+    """This process's agent; raises if ``init_rpc`` has not run."""
+    agent = _current
+    if agent is None:
+        raise RpcError("RPC has not been initialized: call rrpc.init_rpc() first")
+    return agent
+
+
+def set_current_agent(agent: Agent | None) -> None:
+    global _current
+    _current = agent
+
+
+def _wait_future(future: torch.futures.Future, timeout: float) -> bool:
+    if future.done():
+        return True
+    event = threading.Event()
+    future.add_done_callback(lambda _: event.set())
+    return event.wait(max(0.0, timeout))
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def _tls_credentials(options: RpcBackendOptions):
+    files = (options.tls_cert_file, options.tls_key_file, options.tls_ca_file)
+    if not any(files):
+        return None, None
+    if not all(files):
+        raise ValueError("TLS needs tls_cert_file, tls_key_file and tls_ca_file together")
+    cert, key, ca = (open(path, "rb").read() for path in files)  # type: ignore[arg-type]
+    server = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
+    channel = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+    return server, channel

@@ -1,0 +1,225 @@
+"""The public functions: init_rpc, shutdown, rpc_sync, rpc_async, get_worker_info.
+
+Arguments are checked here, once; everything else happens in the agent.
+"""
+
+from __future__ import annotations
+
+import atexit
+import enum
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from rrpc import agent as agent_module
+from rrpc.agent import Agent, Deferred, current_agent
+from rrpc.functions import is_async_execution
+from rrpc.messages import CALL, RpcError, WorkerInfo
+from rrpc.options import UNSET_RPC_TIMEOUT, RpcBackendOptions
+from rrpc.rendezvous import Rendezvous, advertise_host, resolve_world
+
+
+class BackendType(enum.Enum):
+    """Accepted for compatibility with ``torch.distributed.rpc.BackendType``."""
+
+    TENSORPIPE = "TENSORPIPE"
+    GRPC = "GRPC"
+
+
+_lock = threading.Lock()
+_rendezvous: Rendezvous | None = None
+# Called with the agent right after it starts (protocol layers register their
+# message kinds), and with the timeout at graceful shutdown, before the barrier
+# (they drain their own traffic).
+_on_start: list[Callable[[Agent], None]] = []
+_on_drain: list[Callable[[float], None]] = []
+_on_stop: list[Callable[[], None]] = []
+
+
+def init_rpc(
+    name: str,
+    backend: Any = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    rpc_backend_options: RpcBackendOptions | None = None,
+) -> None:
+    """Start this process's RPC agent and wait until all workers have joined.
+
+    Args:
+        name: a unique name for this worker, e.g. ``"trainer0"``.
+        backend: ignored; accepted so that code written for PyTorch runs unchanged.
+        rank: this worker's rank in ``[0, world_size)``; default: ``$RANK``.
+        world_size: number of workers; default: ``$WORLD_SIZE``.
+        rpc_backend_options: an ``rrpc.RpcBackendOptions`` (timeouts, threads,
+            auth token, advertised host, ...).
+
+    The store used to find the other workers is at MASTER_ADDR:MASTER_PORT
+    (hosted by rank 0, or by torchrun's agent), as ``torchrun`` sets them.
+
+    Example::
+
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+        rrpc.init_rpc("worker0", rank=0, world_size=2)
+        print(rrpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1)))
+        rrpc.shutdown()
+    """
+    global _rendezvous
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"worker name must be a non-empty string, not {name!r}")
+    options = rpc_backend_options or RpcBackendOptions()
+    if not isinstance(options, RpcBackendOptions):
+        raise TypeError(f"rpc_backend_options must be rrpc.RpcBackendOptions, not {type(options)}")
+    if rank is not None and rank < 0:
+        rank = None  # torch's "unset" default is -1
+    with _lock:
+        if agent_module._current is not None:
+            raise RpcError("RPC is already initialized in this process; call rrpc.shutdown() first")
+        rank, world_size, store_host, store_port = resolve_world(rank, world_size, options.init_method)
+        rendezvous = Rendezvous(rank, world_size, store_host, store_port, options.init_timeout)
+        agent = None
+        try:
+            agent = Agent(name, rank, advertise_host(store_host, options.advertise_host), options)
+            agent.register(CALL, _run_call)
+            for workers_info, address in rendezvous.exchange(name, agent.address):
+                agent.add_peer(workers_info, address)
+            for start in _on_start:
+                start(agent)
+        except BaseException:
+            if agent is not None:
+                agent.stop(graceful=False)
+            rendezvous.close(timeout=0)
+            raise
+        _rendezvous = rendezvous
+        agent_module.set_current_agent(agent)
+
+
+def shutdown(graceful: bool = True, timeout: float = 60.0) -> None:
+    """Stop this worker's agent.
+
+    With ``graceful=True`` (the default) it first waits until every worker has
+    called ``shutdown`` and none has calls, RRef messages or autograd work
+    still in flight, so no worker leaves while others depend on it. With
+    ``graceful=False`` it stops at once and fails its pending calls.
+    Afterwards ``init_rpc`` may be called again.
+    """
+    global _rendezvous
+    with _lock:
+        agent = agent_module._current
+        if agent is None:
+            raise RpcError("RPC has not been initialized: nothing to shut down")
+        rendezvous = _rendezvous
+        try:
+            if graceful:
+                for drain in _on_drain:
+                    drain(timeout)
+                if not agent.wait_idle(timeout):
+                    raise RpcError(
+                        f"shutdown of {agent.info.name}: calls still pending after {timeout:g} s"
+                    )
+                if rendezvous is not None:
+                    rendezvous.barrier("shutdown", timeout)
+        finally:
+            agent.stop(graceful)
+            for stop in _on_stop:
+                stop()
+            agent_module.set_current_agent(None)
+            _rendezvous = None
+            if rendezvous is not None:
+                rendezvous.close(timeout=10.0 if graceful else 0.0)
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    # An agent left running at exit would hang in gRPC's channel finalizers.
+    if agent_module._current is not None:
+        shutdown(graceful=False)
+
+
+def _run_call(payload: tuple, caller: WorkerInfo) -> Any:
+    func, args, kwargs = payload
+    if is_async_execution(func):
+        future = func(*args, **kwargs)
+        if not isinstance(future, torch.futures.Future):
+            raise TypeError(
+                f"{_name(func)} is marked async_execution but returned "
+                f"{type(future).__name__}, not a torch.futures.Future"
+            )
+        return Deferred(future)
+    return func(*args, **kwargs)
+
+
+def _name(func: Any) -> str:
+    return getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+
+
+def resolve_timeout(agent: Agent, timeout: float) -> float:
+    if timeout == UNSET_RPC_TIMEOUT:
+        return agent.options.rpc_timeout
+    if timeout < 0:
+        raise ValueError(f"timeout must be >= 0 (0: none) or -1 (default), got {timeout}")
+    return timeout
+
+
+def rpc_async(
+    to: Any,
+    func: Callable[..., Any],
+    args: tuple | None = None,
+    kwargs: dict | None = None,
+    timeout: float = UNSET_RPC_TIMEOUT,
+) -> torch.futures.Future:
+    """Run ``func(*args, **kwargs)`` on worker ``to``; return a Future of its result.
+
+    Args:
+        to: the callee's name, rank or ``WorkerInfo``.
+        func: a builtin (``torch.add``), any picklable callable, or a lambda /
+            closure (sent by value with cloudpickle).
+        args, kwargs: its arguments; tensors travel as raw buffers.
+        timeout: seconds; -1 uses ``rpc_timeout`` of the options, 0 waits forever.
+
+    The future raises the callee's exception (its own type, with the remote
+    traceback attached as a note), ``rrpc.RpcTimeoutError`` after ``timeout``,
+    or ``rrpc.PeerUnavailableError`` as soon as the callee is known dead.
+
+    Example::
+
+        fut = rrpc.rpc_async("worker1", torch.add, args=(torch.ones(2), 3))
+        fut.wait()  # tensor([4., 4.])
+    """
+    agent = current_agent()
+    if not callable(func):
+        raise TypeError(f"func must be callable, not {type(func).__name__}")
+    peer = agent.worker_info(to)
+    what = f"call of {_name(func)}"
+    return agent.send(peer, CALL, (func, args or (), kwargs or {}), resolve_timeout(agent, timeout), what)
+
+
+def rpc_sync(
+    to: Any,
+    func: Callable[..., Any],
+    args: tuple | None = None,
+    kwargs: dict | None = None,
+    timeout: float = UNSET_RPC_TIMEOUT,
+) -> Any:
+    """Run ``func(*args, **kwargs)`` on worker ``to`` and return its result.
+
+    Arguments as ``rpc_async``; raises what the future would.
+
+    Example::
+
+        rrpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 3))  # tensor([4., 4.])
+    """
+    return rpc_async(to, func, args, kwargs, timeout).wait()
+
+
+def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
+    """The ``WorkerInfo(name, id)`` of ``worker_name``, or of this worker when None."""
+    agent = current_agent()
+    return agent.info if worker_name is None else agent.worker_info(worker_name)
+
+
+def stats() -> dict[str, dict[str, float]]:
+    """Per-peer traffic counters of this worker: calls, bytes, tensor bytes,
+    errors, timeouts and mean latency, keyed by peer name."""
+    return {name: peer.as_dict() for name, peer in current_agent().stats.items()}

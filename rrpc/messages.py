@@ -1,0 +1,95 @@
+"""Shared vocabulary of every layer: message kinds, worker identity, errors.
+
+This is the bottom of the package; it imports nothing from rrpc. Every message
+on the wire has one of the kinds below. A request kind is answered by exactly
+one REPLY or ERROR carrying the request's id; ``NOTIFY``-style protocol
+messages are requests too (their reply is an acknowledgement), so that every
+message's delivery is known to its sender and shutdown can wait for them.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+# -- Message kinds -------------------------------------------------------------
+# Replies.
+REPLY = 1  # payload: the result
+ERROR = 2  # payload: RemoteException
+# Requests. Each request kind is served by one handler registered with the agent.
+CALL = 10  # payload: (func, args, kwargs) -> result of func(*args, **kwargs)
+RREF_CREATE = 20  # remote(): run func on the owner and keep the result under an RRef id
+RREF_FETCH = 21  # to_here(): the owner's value
+RREF_FORK = 22  # a user tells the owner that it forked an RRef to another worker
+RREF_ACCEPT = 23  # a new user tells the owner it holds a fork
+RREF_DELETE = 24  # a user dropped its last reference
+AUTOGRAD_BACKWARD = 30  # gradients for a send node, run the rest of the pass there
+AUTOGRAD_RELEASE = 31  # a context ended; free its state
+SHUTDOWN_DRAIN = 40  # graceful shutdown: "I have nothing in flight"
+
+KIND_NAMES = {
+    value: name
+    for name, value in dict(globals()).items()
+    if name.isupper() and isinstance(value, int) and not name.startswith("_")
+}
+
+
+def kind_name(kind: int) -> str:
+    return KIND_NAMES.get(kind, f"unknown kind {kind}")
+
+
+# -- Identity ------------------------------------------------------------------
+@dataclass(frozen=True)
+class WorkerInfo:
+    """A worker's name and rank (``id``), as ``torch.distributed.rpc.WorkerInfo``."""
+
+    name: str
+    id: int
+
+    def __repr__(self) -> str:
+        return f"WorkerInfo(id={self.id}, name={self.name})"
+
+
+# -- Errors --------------------------------------------------------------------
+class RpcError(RuntimeError):
+    """Base class of the errors rrpc itself raises (not those of user functions)."""
+
+
+class RpcTimeoutError(RpcError, TimeoutError):
+    """A call did not complete within its timeout."""
+
+
+class PeerUnavailableError(RpcError, ConnectionError):
+    """The peer died, closed its stream, or could not be reached."""
+
+
+class AuthenticationError(RpcError, PermissionError):
+    """The peer rejected this worker's token, or the other way round."""
+
+
+class MessageTooLargeError(RpcError, ValueError):
+    """A message exceeds the configured ``max_message_size``."""
+
+
+class SerializationError(RpcError, TypeError):
+    """An argument or a result could not be pickled or unpickled."""
+
+
+class RemoteError(RpcError):
+    """A remote exception whose own type could not be rebuilt on this side."""
+
+    def __init__(self, type_name: str, message: str, remote_traceback: str = ""):
+        super().__init__(f"{type_name}: {message}")
+        self.type_name = type_name
+        self.remote_message = message
+        self.remote_traceback = remote_traceback
+
+
+# -- Per-thread call state -----------------------------------------------------
+class _ThreadState(threading.local):
+    # The distributed autograd context every RPC from this thread carries (0: none).
+    # Set by rrpc.autograd.context() and, while a request runs, by the agent.
+    autograd_context_id: int = 0
+
+
+thread_state = _ThreadState()

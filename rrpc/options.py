@@ -1,0 +1,75 @@
+"""Backend options: one place for every knob, each with its environment variable."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_RPC_TIMEOUT = 60.0  # seconds, as torch.distributed.rpc
+UNSET_RPC_TIMEOUT = -1.0  # "use the default"; 0 means "no timeout"
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    return default if value is None else value.strip().lower() not in ("0", "false", "no", "off", "")
+
+
+@dataclass
+class RpcBackendOptions:
+    """Options of ``init_rpc``; mirrors ``torch.distributed.rpc.TensorPipeRpcBackendOptions``.
+
+    Args:
+        num_worker_threads: threads running incoming calls (user functions).
+        rpc_timeout: default timeout in seconds of every call (0: none).
+        init_method: ``"env://"`` (MASTER_ADDR / MASTER_PORT) or ``"tcp://host:port"``.
+        init_timeout: seconds to wait for all workers at ``init_rpc``.
+        auth_token: shared secret every worker must present (env ``RRPC_AUTH_TOKEN``).
+        advertise_host: address this worker listens on and publishes to its peers
+            (env ``RRPC_ADVERTISE_HOST``; default: the local address that routes to
+            MASTER_ADDR, which is 127.0.0.1 on one machine).
+        max_message_size: largest message in bytes accepted or sent (0: no limit).
+        chunk_size: largest gRPC message; bigger frames flow in chunks of this size.
+        shared_memory: same-host tensors through shared memory (env ``RRPC_SHM``).
+        shm_threshold: smallest tensor in bytes that takes the shared-memory path.
+        tls_cert_file / tls_key_file / tls_ca_file: PEM files; when all are set,
+            every stream is TLS with client certificates checked against the CA.
+        devices / device_maps: accepted for compatibility; rrpc moves tensors
+            through CPU memory.
+    """
+
+    num_worker_threads: int = 16
+    rpc_timeout: float = DEFAULT_RPC_TIMEOUT
+    init_method: str = "env://"
+    init_timeout: float = 120.0
+    auth_token: str | None = field(default_factory=lambda: os.environ.get("RRPC_AUTH_TOKEN"))
+    advertise_host: str | None = field(
+        default_factory=lambda: os.environ.get("RRPC_ADVERTISE_HOST")
+    )
+    max_message_size: int = 1 << 36
+    chunk_size: int = 2 << 20
+    shared_memory: bool = field(default_factory=lambda: _env_flag("RRPC_SHM", True))
+    shm_threshold: int = 1 << 20
+    tls_cert_file: str | None = field(default_factory=lambda: os.environ.get("RRPC_TLS_CERT"))
+    tls_key_file: str | None = field(default_factory=lambda: os.environ.get("RRPC_TLS_KEY"))
+    tls_ca_file: str | None = field(default_factory=lambda: os.environ.get("RRPC_TLS_CA"))
+    devices: list[Any] | None = None
+    device_maps: dict[str, dict[Any, Any]] | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_worker_threads < 1:
+            raise ValueError(f"num_worker_threads must be >= 1, got {self.num_worker_threads}")
+        if self.rpc_timeout < 0:
+            raise ValueError(f"rpc_timeout must be >= 0 (0: none), got {self.rpc_timeout}")
+        if self.chunk_size < 4096:
+            raise ValueError(f"chunk_size must be >= 4096 bytes, got {self.chunk_size}")
+
+    def set_device_map(self, to: str, device_map: dict[Any, Any]) -> None:
+        self.device_maps = {**(self.device_maps or {}), to: dict(device_map)}
+
+    def set_devices(self, devices: list[Any]) -> None:
+        self.devices = list(devices)
+
+
+# Code written for torch.distributed.rpc constructs this name.
+TensorPipeRpcBackendOptions = RpcBackendOptions

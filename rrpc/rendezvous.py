@@ -1,0 +1,138 @@
+"""Names ⇄ addresses, through the ``torch.distributed`` TCPStore.
+
+Every worker publishes ``rank -> (name, address)`` under a prefix unique to
+this init and waits until all ``world_size`` ranks have. Rank 0 hosts the store
+at MASTER_ADDR:MASTER_PORT, except under torchrun, whose elastic agent already
+hosts one there (``TORCHELASTIC_USE_AGENT_STORE``): then every rank is a client,
+exactly as ``init_process_group`` behaves.
+
+The same store carries the shutdown barriers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import socket
+from collections import Counter
+from datetime import timedelta
+from urllib.parse import urlparse
+
+import torch.distributed as dist
+
+from rrpc.messages import RpcError, WorkerInfo
+
+_generations = itertools.count()  # one prefix per init in this process
+
+
+def resolve_world(
+    rank: int | None, world_size: int | None, init_method: str
+) -> tuple[int, int, str, int]:
+    """Rank, world size and store address from the arguments or torchrun's env."""
+    if rank is None:
+        rank = _env_int("RANK", "rank")
+    if world_size is None:
+        world_size = _env_int("WORLD_SIZE", "world_size")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is out of range for world_size {world_size}")
+    if init_method.startswith("tcp://"):
+        parsed = urlparse(init_method)
+        if not parsed.hostname or not parsed.port:
+            raise ValueError(f"init_method {init_method!r} must be tcp://host:port")
+        return rank, world_size, parsed.hostname, parsed.port
+    if init_method != "env://":
+        raise ValueError(f"init_method must be 'env://' or 'tcp://host:port', not {init_method!r}")
+    host = os.environ.get("MASTER_ADDR")
+    port = os.environ.get("MASTER_PORT")
+    if not host or not port:
+        raise ValueError("MASTER_ADDR and MASTER_PORT must be set (or pass init_method='tcp://...')")
+    return rank, world_size, host, int(port)
+
+
+def _env_int(variable: str, argument: str) -> int:
+    value = os.environ.get(variable)
+    if value is None:
+        raise ValueError(f"pass {argument}= to init_rpc or set {variable} (torchrun sets it)")
+    return int(value)
+
+
+def advertise_host(master_host: str, configured: str | None) -> str:
+    """The address peers reach this worker at: configured, or the local
+    address that routes to the store (127.0.0.1 when the store is local)."""
+    if configured:
+        return configured
+    if master_host in ("localhost", "127.0.0.1", "::1") or master_host.startswith("127."):
+        return "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((master_host, 9))  # UDP connect sends nothing; it picks a route
+            return probe.getsockname()[0]
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
+
+
+class Rendezvous:
+    def __init__(self, rank: int, world_size: int, host: str, port: int, timeout: float):
+        self.rank = rank
+        self.world_size = world_size
+        self.where = f"{host}:{port}"
+        self.timeout = timeout
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self.prefix = f"rrpc/{restart}/{next(_generations)}/"
+        self.hosting = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+        try:
+            self.store = dist.TCPStore(
+                host,
+                port,
+                world_size,
+                is_master=self.hosting,
+                timeout=timedelta(seconds=timeout),
+                wait_for_workers=False,
+            )
+        except Exception as exc:
+            raise RpcError(f"rank {rank} cannot reach the rendezvous store at {self.where}: {exc}") from exc
+
+    def _keys(self, tag: str) -> list[str]:
+        return [f"{self.prefix}{tag}/{rank}" for rank in range(self.world_size)]
+
+    def _wait(self, tag: str, timeout: float, doing: str) -> None:
+        keys = self._keys(tag)
+        try:
+            self.store.wait(keys, timedelta(seconds=timeout))
+        except Exception as exc:
+            missing = [rank for rank, key in enumerate(keys) if not self.store.check([key])]
+            raise RpcError(
+                f"{doing} at {self.where} timed out after {timeout:g} s: rank(s) {missing} "
+                f"of world_size {self.world_size} never arrived"
+            ) from exc
+
+    def exchange(self, name: str, address: str) -> list[tuple[WorkerInfo, str]]:
+        """Publish this worker, wait for all, and return every (WorkerInfo, address)."""
+        if self.store.add(f"{self.prefix}claim/{self.rank}", 1) > 1:
+            raise RpcError(f"rank {self.rank} is claimed by more than one worker")
+        self.store.set(f"{self.prefix}worker/{self.rank}", json.dumps([name, address]))
+        self._wait("worker", self.timeout, "rendezvous")
+        table = [json.loads(self.store.get(key)) for key in self._keys("worker")]
+        names = Counter(entry[0] for entry in table)
+        for duplicate, count in names.items():
+            if count > 1:
+                ranks = [rank for rank, entry in enumerate(table) if entry[0] == duplicate]
+                raise RpcError(f"duplicate worker name {duplicate!r} used by ranks {ranks}")
+        return [(WorkerInfo(entry[0], rank), entry[1]) for rank, entry in enumerate(table)]
+
+    def barrier(self, tag: str, timeout: float) -> None:
+        self.store.set(f"{self.prefix}{tag}/{self.rank}", b"1")
+        self._wait(tag, timeout, f"barrier {tag!r}")
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Leave; the host keeps the store until every rank has left it."""
+        try:
+            self.store.set(f"{self.prefix}left/{self.rank}", b"1")
+            if self.hosting:
+                self.store.wait(self._keys("left"), timedelta(seconds=timeout))
+        except Exception:
+            pass  # a peer that died cannot leave; the store goes anyway
+        del self.store

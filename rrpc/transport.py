@@ -1,0 +1,247 @@
+"""gRPC streams that move frames between two workers. Knows nothing of messages.
+
+Theory of operation: every worker runs one gRPC server. To talk to a peer, a
+worker opens one bidirectional stream to the peer's server (``Connection``)
+and keeps it for its lifetime: requests flow on the stream's request side,
+their replies come back on its response side. The server side of that stream
+(``Server._exchange``) hands each incoming frame to the agent together with a
+``respond`` function that writes onto the same stream.
+
+Each direction of a stream is a byte stream of frames cut into packets
+(``codec.packets``): a sender thread takes everything queued at the moment it
+wakes and sends it as one packet, so small messages batch themselves under
+load and a large one flows in bounded chunks under gRPC's flow control.
+
+Rules:
+- The stream's metadata carries the caller's rank and, when the cluster has a
+  token, the token; the server checks it before reading a single frame, so an
+  unauthenticated peer never gets anything unpickled.
+- A stream that breaks reports once, through ``on_close``, with the reason.
+- grpcio only sends ``bytes``: the one copy on the way out is the ``join``
+  that builds a packet, straight from the tensors' memory.
+"""
+
+from __future__ import annotations
+
+import hmac
+import itertools
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+
+from rrpc import codec
+from rrpc.messages import AuthenticationError, PeerUnavailableError
+
+SERVICE = "rrpc.Worker"
+METHOD = f"/{SERVICE}/Exchange"
+_CLOSE = object()  # queued to end a stream's sending side
+
+_CHANNEL_OPTIONS = [
+    # Our packets are bounded by chunk_size; gRPC's own limits must not bite.
+    ("grpc.max_send_message_length", -1),
+    ("grpc.max_receive_message_length", -1),
+    # Notice a peer that vanished without closing its socket (partition, power loss).
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    # Each Connection gets its own TCP connection, not one shared by all channels.
+    ("grpc.use_local_subchannel_pool", 1),
+]
+_SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", -1),
+    ("grpc.max_receive_message_length", -1),
+    ("grpc.so_reuseport", 0),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+FrameHandler = Callable[[codec.Frame], None]
+
+
+def _send_queue_packets(outbox: queue.SimpleQueue, packet_size: int) -> Iterator[bytes]:
+    """Packets for one direction of a stream, from frames queued as piece lists."""
+    while True:
+        item = outbox.get()
+        if item is _CLOSE:
+            return
+        if isinstance(item, BaseException):
+            raise item
+        batch = [item]
+        closing = False
+        while True:  # batch whatever else is already waiting
+            try:
+                item = outbox.get_nowait()
+            except queue.Empty:
+                break
+            if item is _CLOSE:
+                closing = True
+                break
+            batch.append(item)
+        yield from codec.packets(itertools.chain.from_iterable(batch), packet_size)
+        if closing:
+            return
+
+
+def _read_frames(
+    packets: Iterator[bytes], reader: codec.FrameReader, on_frame: FrameHandler
+) -> None:
+    for packet in packets:
+        for frame in reader.feed(packet):
+            on_frame(frame)
+
+
+class Connection:
+    """This worker's stream to one peer's server: requests out, replies in."""
+
+    def __init__(
+        self,
+        address: str,
+        metadata: list[tuple[str, str]],
+        on_frame: FrameHandler,
+        on_close: Callable[[BaseException | None], None],
+        packet_size: int,
+        max_message_size: int,
+        peer_name: str,
+        credentials: grpc.ChannelCredentials | None = None,
+    ):
+        self.peer_name = peer_name
+        self.closed = False  # set once the stream has ended, before on_close runs
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        if credentials is None:
+            self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        else:
+            self._channel = grpc.secure_channel(address, credentials, options=_CHANNEL_OPTIONS)
+        stream = self._channel.stream_stream(METHOD)
+        self._call = stream(_send_queue_packets(self._outbox, packet_size), metadata=metadata)
+        self._on_frame = on_frame
+        self._on_close = on_close
+        self._reader = codec.FrameReader(max_message_size)
+        self._thread = threading.Thread(
+            target=self._receive, name=f"rrpc-recv-{peer_name}", daemon=True
+        )
+        self._thread.start()
+
+    def send(self, pieces: list[Any]) -> None:
+        self._outbox.put(pieces)
+
+    def _receive(self) -> None:
+        error: BaseException | None = None
+        try:
+            _read_frames(self._call, self._reader, self._on_frame)
+        except grpc.RpcError as exc:
+            error = _stream_error(exc, self.peer_name)
+        except Exception as exc:  # a malformed frame from the peer
+            error = PeerUnavailableError(f"stream from {self.peer_name} broke: {exc}")
+            self._call.cancel()
+        self.closed = True
+        self._on_close(error)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """End the request side, let the peer finish the response side, close."""
+        self._outbox.put(_CLOSE)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._call.cancel()
+            self._thread.join(timeout)
+        self._channel.close()
+
+    def abort(self) -> None:
+        self._call.cancel()
+        self._outbox.put(_CLOSE)
+        self._channel.close()
+
+
+def _stream_error(exc: grpc.RpcError, peer_name: str) -> BaseException | None:
+    code = exc.code() if hasattr(exc, "code") else None
+    details = exc.details() if hasattr(exc, "details") else str(exc)
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return AuthenticationError(f"{peer_name} rejected this worker: {details}")
+    if code == grpc.StatusCode.CANCELLED:
+        return PeerUnavailableError(f"stream to {peer_name} was cancelled")
+    return PeerUnavailableError(f"{peer_name} is unreachable ({code.name if code else code}: {details})")
+
+
+class Server:
+    """The gRPC server of this worker: one ``Exchange`` stream per calling peer.
+
+    ``on_frame(frame, peer_rank, respond)`` is called on the stream's reader
+    thread for every request frame; ``respond(pieces)`` queues a reply frame
+    on the same stream.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        on_frame: Callable[[codec.Frame, int, Callable[[list[Any]], None]], None],
+        auth_token: str | None,
+        packet_size: int,
+        max_message_size: int,
+        credentials: grpc.ServerCredentials | None = None,
+        port: int = 0,
+    ):
+        self._on_frame = on_frame
+        self._token = auth_token
+        self._packet_size = packet_size
+        self._max_message_size = max_message_size
+        self._outboxes: set[queue.SimpleQueue] = set()
+        # A sync gRPC server holds one thread per open stream for the stream's life.
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=4096, thread_name_prefix="rrpc-stream"),
+            options=_SERVER_OPTIONS,
+        )
+        handler = grpc.stream_stream_rpc_method_handler(self._exchange)
+        self._server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(SERVICE, {"Exchange": handler}),)
+        )
+        target = f"{host}:{port}"
+        if credentials is None:
+            self.port = self._server.add_insecure_port(target)
+        else:
+            self.port = self._server.add_secure_port(target, credentials)
+        if not self.port:
+            raise OSError(f"cannot listen on {target}")
+        self._server.start()
+
+    def _exchange(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext):
+        metadata = dict(context.invocation_metadata())
+        if self._token is not None and not hmac.compare_digest(
+            metadata.get("rrpc-token", "").encode(), self._token.encode()
+        ):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong or missing auth token")
+        peer_rank = int(metadata.get("rrpc-rank", "-1"))
+        outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._outboxes.add(outbox)
+        reader = codec.FrameReader(self._max_message_size)
+
+        def respond(pieces: list[Any]) -> None:
+            outbox.put(pieces)
+
+        def receive() -> None:
+            try:
+                _read_frames(
+                    request_iterator, reader, lambda frame: self._on_frame(frame, peer_rank, respond)
+                )
+            except grpc.RpcError:
+                pass  # the caller went away; its side reports it
+            except Exception as exc:  # a malformed frame: end this stream, keep serving others
+                outbox.put(exc)
+            finally:
+                outbox.put(_CLOSE)
+
+        threading.Thread(target=receive, name=f"rrpc-serve-{peer_rank}", daemon=True).start()
+        try:
+            yield from _send_queue_packets(outbox, self._packet_size)
+        except Exception as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed frame: {exc}")
+        finally:
+            self._outboxes.discard(outbox)
+
+    def stop(self, grace: float | None = 1.0) -> None:
+        for outbox in list(self._outboxes):
+            outbox.put(_CLOSE)
+        self._server.stop(grace).wait(grace)
