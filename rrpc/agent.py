@@ -37,7 +37,7 @@ from typing import Any, Protocol
 import grpc
 import torch
 
-from rrpc import codec, messages, transport
+from rrpc import codec, messages, shm, transport
 from rrpc.messages import (
     ERROR,
     REPLY,
@@ -234,6 +234,11 @@ class Agent:
         self._metadata = [("rrpc-rank", str(rank))]
         if options.auth_token is not None:
             self._metadata.append(("rrpc-token", options.auth_token))
+        shm.tune_allocator()
+        # Same-host fast path: our slots, peers' slots we mapped, peers that can map ours.
+        self.shm_pool = shm.SenderPool() if options.shared_memory else None
+        self._attachments = shm.Attachments()
+        self._shm_peers: set[int] = set()
         self._pool = _WorkerPool(options.num_worker_threads, f"rrpc-{name}")
         self._deadlines = _Deadlines(self._pending, self._expire)
         self.server = transport.Server(
@@ -243,14 +248,27 @@ class Agent:
             options.chunk_size,
             options.max_message_size,
             self._server_credentials,
+            attach=self._attachments.tensor,
         )
         self.address = f"{_bracket(host)}:{self.server.port}"
 
+    def advertisement(self) -> dict[str, Any]:
+        """What peers need to know of this worker besides its address."""
+        shared = self.shm_pool is not None
+        return {"host": shm.host_key(), "probe": self.shm_pool.probe.name if shared else ""}
+
     # -- Peers -----------------------------------------------------------------
-    def add_peer(self, info: WorkerInfo, address: str) -> None:
+    def add_peer(self, info: WorkerInfo, address: str, advertised: dict[str, Any]) -> None:
         self._peers_by_name[info.name] = info
         self._peers_by_rank[info.id] = info
         self._addresses[info.id] = address
+        if (
+            self.shm_pool is not None
+            and advertised.get("probe")
+            and advertised.get("host") == shm.host_key()
+            and self._attachments.can_open(advertised["probe"])
+        ):
+            self._shm_peers.add(info.id)
 
     def worker_info(self, to: Any) -> WorkerInfo:
         """Resolve a name, a rank or a WorkerInfo to a known worker."""
@@ -290,6 +308,8 @@ class Agent:
             autograd_context_id=context_id,
             peer=peer,
             max_message_size=self.options.max_message_size,
+            shared_memory=self.shm_pool if peer.id in self._shm_peers else None,
+            shm_threshold=self.options.shm_threshold,
         )
         if out.grad_tensors and context_id and self.autograd_hooks is not None:
             key = (self.info.id, request_id, False)
@@ -304,7 +324,7 @@ class Agent:
         stats = self.peer_stats(peer)
         stats.calls_sent += 1
         stats.bytes_sent += out.size
-        stats.tensor_bytes_sent += sum(len(piece) for piece in out.pieces[1:])
+        stats.tensor_bytes_sent += out.tensor_bytes
         connection.send(out.pieces)
         if connection.closed:  # it broke between lookup and send: fail now, not at the deadline
             self._fail(request_id, PeerUnavailableError(f"{peer.name} is unreachable"))
@@ -328,6 +348,7 @@ class Agent:
                     max_message_size=self.options.max_message_size,
                     peer_name=peer.name,
                     credentials=self._channel_credentials,
+                    attach=self._attachments.tensor,
                 )
                 self._connections[peer.id] = connection
         return connection
@@ -445,6 +466,8 @@ class Agent:
                 autograd_context_id=context_id,
                 peer=peer,
                 max_message_size=self.options.max_message_size,
+                shared_memory=self.shm_pool if peer.id in self._shm_peers else None,
+                shm_threshold=self.options.shm_threshold,
             )
         except BaseException as exc:
             self._reply_error(exc, peer, request_id, respond)
@@ -454,7 +477,7 @@ class Agent:
             self.autograd_hooks.on_send(context_id, peer, key, out.grad_tensors)
         stats = self.peer_stats(peer)
         stats.bytes_sent += out.size
-        stats.tensor_bytes_sent += sum(len(piece) for piece in out.pieces[1:])
+        stats.tensor_bytes_sent += out.tensor_bytes
         respond(out.pieces)
 
     def _reply_error(self, exc: BaseException, peer: WorkerInfo, request_id: int, respond):
@@ -482,11 +505,21 @@ class Agent:
         for request_id in list(self._pending):
             self._fail(request_id, RpcError(f"rrpc on {self.info.name} shut down"))
         self.server.stop(1.0 if graceful else 0)
+        if self.shm_pool is not None:
+            self.shm_pool.close()
         self._deadlines.stop()
         self._pool.stop(5.0 if graceful else 0.5)
 
 
 _current: Agent | None = None
+
+# Lifecycle hooks that protocol layers (rref, autograd) append to when imported:
+# on_start(agent) right after init_rpc's rendezvous (register message kinds);
+# on_drain(timeout) at graceful shutdown, before the barrier (finish own traffic);
+# on_stop() after the agent stopped (forget per-run state).
+on_start: list[Callable[[Agent], None]] = []
+on_drain: list[Callable[[float], None]] = []
+on_stop: list[Callable[[], None]] = []
 
 
 def current_agent() -> Agent:

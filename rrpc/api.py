@@ -30,12 +30,6 @@ class BackendType(enum.Enum):
 
 _lock = threading.Lock()
 _rendezvous: Rendezvous | None = None
-# Called with the agent right after it starts (protocol layers register their
-# message kinds), and with the timeout at graceful shutdown, before the barrier
-# (they drain their own traffic).
-_on_start: list[Callable[[Agent], None]] = []
-_on_drain: list[Callable[[float], None]] = []
-_on_stop: list[Callable[[], None]] = []
 
 
 def init_rpc(
@@ -82,9 +76,11 @@ def init_rpc(
         try:
             agent = Agent(name, rank, advertise_host(store_host, options.advertise_host), options)
             agent.register(CALL, _run_call)
-            for workers_info, address in rendezvous.exchange(name, agent.address):
-                agent.add_peer(workers_info, address)
-            for start in _on_start:
+            for info, address, advertised in rendezvous.exchange(
+                name, agent.address, agent.advertisement()
+            ):
+                agent.add_peer(info, address, advertised)
+            for start in agent_module.on_start:
                 start(agent)
         except BaseException:
             if agent is not None:
@@ -112,7 +108,7 @@ def shutdown(graceful: bool = True, timeout: float = 60.0) -> None:
         rendezvous = _rendezvous
         try:
             if graceful:
-                for drain in _on_drain:
+                for drain in agent_module.on_drain:
                     drain(timeout)
                 if not agent.wait_idle(timeout):
                     raise RpcError(
@@ -122,7 +118,7 @@ def shutdown(graceful: bool = True, timeout: float = 60.0) -> None:
                     rendezvous.barrier("shutdown", timeout)
         finally:
             agent.stop(graceful)
-            for stop in _on_stop:
+            for stop in agent_module.on_stop:
                 stop()
             agent_module.set_current_agent(None)
             _rendezvous = None

@@ -38,8 +38,9 @@ import cloudpickle
 import numpy as np
 import torch
 
-from rrpc._proto.rrpc_pb2 import Envelope
+from rrpc._proto.rrpc_pb2 import Envelope, SharedBuffer
 from rrpc.messages import MessageTooLargeError, RpcError, SerializationError
+from rrpc.shm import SenderPool
 
 HEADER = struct.Struct("<I")
 MAX_ENVELOPE_SIZE = 1 << 20  # an envelope is tens of bytes; anything near this is garbage
@@ -80,16 +81,27 @@ def current_peer() -> Any:
 class Outgoing:
     """An encoded frame: ``pieces`` written in order are the frame's bytes."""
 
-    pieces: list[Any]  # bytes, then one memoryview per tensor buffer
-    size: int
+    pieces: list[Any]  # bytes, then one memoryview per tensor buffer sent in the stream
+    size: int  # bytes in the stream
+    tensor_bytes: int  # bytes of all tensor buffers, in the stream or in shared memory
     # Tensors in the message that require grad, in pickling order (for autograd).
     grad_tensors: list[torch.Tensor] = field(default_factory=list)
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> pickle.PickleBuffer:
-    """The bytes a tensor views, without a copy when it is contiguous."""
-    flat = tensor.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
-    return pickle.PickleBuffer(flat.view(torch.uint8).numpy())
+    """The bytes a tensor views, without a copy when it is contiguous.
+    (Each torch call costs a microsecond or two: skip those that change nothing.)"""
+    if tensor.requires_grad:
+        tensor = tensor.detach()
+    if tensor.is_conj() or tensor.is_neg():
+        tensor = tensor.resolve_conj().resolve_neg()
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
+    if tensor.dim() != 1:
+        tensor = tensor.reshape(-1)
+    if tensor.dtype is not torch.uint8:
+        tensor = tensor.view(torch.uint8)
+    return pickle.PickleBuffer(tensor.numpy())
 
 
 def _rebuild_tensor(buffer: Any, dtype_index: int, shape: tuple, requires_grad: bool):
@@ -150,21 +162,54 @@ class _CodePickler(cloudpickle.Pickler):
         return super().reducer_override(obj) if reduced is NotImplemented else reduced
 
 
+class _Scratch(threading.local):
+    """Per-thread reusable pickler and envelope: building them is most of the
+    cost of a small message."""
+
+    def __init__(self) -> None:
+        self.out = io.BytesIO()
+        self.buffers: list[pickle.PickleBuffer] = []
+        self.pickler = _FastPickler(self.out, PICKLE_PROTOCOL, buffer_callback=self.buffers.append)
+        self.envelope = Envelope()
+        self.busy = False  # a reducer that pickles (re-entrant dumps) gets fresh objects
+
+
+_scratch = _Scratch()
+
+
+def _dump_with(pickler: Any, out: io.BytesIO, buffers: list, obj: Any) -> tuple:
+    pickler.grad_tensors = grad_tensors = []
+    pickler.dump(obj)
+    return out.getvalue(), list(buffers), grad_tensors
+
+
 def dumps(obj: Any, peer: Any = None) -> tuple[bytes, list[pickle.PickleBuffer], list]:
     """Pickle ``obj``: (payload, out-of-band buffers, tensors that require grad)."""
     previous_peer, _state.peer = _state.peer, peer
+    scratch = _scratch
     try:
-        for pickler_class in (_FastPickler, _CodePickler):
-            out = io.BytesIO()
-            buffers: list[pickle.PickleBuffer] = []
-            pickler = pickler_class(out, PICKLE_PROTOCOL, buffer_callback=buffers.append)
-            pickler.grad_tensors = []
+        if not scratch.busy:
+            scratch.busy = True
             try:
-                pickler.dump(obj)
+                return _dump_with(scratch.pickler, scratch.out, scratch.buffers, obj)
             except _NeedsCloudpickle:
-                continue
-            return out.getvalue(), buffers, pickler.grad_tensors
-        raise AssertionError("unreachable")
+                pass
+            finally:
+                scratch.out.seek(0)
+                scratch.out.truncate()
+                scratch.buffers.clear()
+                scratch.pickler.clear_memo()
+                scratch.busy = False
+        else:
+            try:
+                out, buffers = io.BytesIO(), []
+                pickler = _FastPickler(out, PICKLE_PROTOCOL, buffer_callback=buffers.append)
+                return _dump_with(pickler, out, buffers, obj)
+            except _NeedsCloudpickle:
+                pass
+        out, buffers = io.BytesIO(), []
+        code_pickler = _CodePickler(out, PICKLE_PROTOCOL, buffer_callback=buffers.append)
+        return _dump_with(code_pickler, out, buffers, obj)
     except (pickle.PicklingError, TypeError, AttributeError, RecursionError) as exc:
         raise SerializationError(f"cannot pickle {_describe(obj)}: {exc}") from exc
     finally:
@@ -179,26 +224,45 @@ def encode(
     autograd_context_id: int = 0,
     peer: Any = None,
     max_message_size: int = 0,
+    shared_memory: SenderPool | None = None,
+    shm_threshold: int = 1 << 20,
 ) -> Outgoing:
     """Encode one message into frame pieces. Raises SerializationError or
-    MessageTooLargeError without side effects on the stream."""
+    MessageTooLargeError without side effects on the stream.
+
+    With ``shared_memory``, buffers of ``shm_threshold`` bytes or more are
+    copied into its slots and only their descriptors travel in the frame."""
     payload, buffers, grad_tensors = dumps(obj, peer)
     raw = [buffer.raw() for buffer in buffers]
-    envelope = Envelope(
-        kind=kind,
-        request_id=request_id,
-        autograd_context_id=autograd_context_id,
-        payload_size=len(payload),
-        buffer_sizes=[len(view) for view in raw],
-    )
+    sizes = [len(view) for view in raw]
+    tensor_bytes = sum(sizes)
+    if max_message_size and len(payload) + tensor_bytes > max_message_size:
+        raise MessageTooLargeError(
+            f"message of {len(payload) + tensor_bytes} bytes to {peer} exceeds "
+            f"max_message_size={max_message_size}"
+        )
+    envelope = _scratch.envelope
+    envelope.Clear()
+    envelope.kind = kind
+    envelope.request_id = request_id
+    envelope.autograd_context_id = autograd_context_id
+    envelope.payload_size = len(payload)
+    streamed = raw
+    if shared_memory is not None and sizes and max(sizes) >= shm_threshold:
+        streamed = []
+        for index, view in enumerate(raw):
+            shared = shared_memory.place(view) if sizes[index] >= shm_threshold else None
+            if shared is None:
+                streamed.append(view)
+            else:
+                envelope.shared_buffers[index].CopyFrom(shared)
+                sizes[index] = 0
+    if sizes:
+        envelope.buffer_sizes.extend(sizes)
     head = envelope.SerializeToString()
     first = HEADER.pack(len(head)) + head + payload
-    size = len(first) + sum(len(view) for view in raw)
-    if max_message_size and size > max_message_size:
-        raise MessageTooLargeError(
-            f"message of {size} bytes to {peer} exceeds max_message_size={max_message_size}"
-        )
-    return Outgoing([first, *raw], size, grad_tensors)
+    size = len(first) + sum(sizes)
+    return Outgoing([first, *streamed], size, tensor_bytes, grad_tensors)
 
 
 def _describe(obj: Any) -> str:
@@ -238,8 +302,13 @@ class FrameReader:
     buffer is copied once, from the packets into a tensor allocated for it.
     """
 
-    def __init__(self, max_message_size: int = 0):
+    def __init__(
+        self,
+        max_message_size: int = 0,
+        attach: Callable[[SharedBuffer], torch.Tensor] | None = None,
+    ):
         self.max_message_size = max_message_size
+        self._attach = attach  # builds a tensor over a shared-memory descriptor
         self._head = bytearray()  # bytes of an incomplete header+envelope
         self._envelope: Envelope | None = None
         self._payload = bytearray()
@@ -255,6 +324,12 @@ class FrameReader:
             if self._envelope is None:
                 if position == end:
                     return frames
+                if not self._head:
+                    whole = self._read_whole_frame(view, position)
+                    if whole is not None:
+                        frames.append(whole[0])
+                        position = whole[1]
+                        continue
                 position = self._read_envelope(view, position)
                 continue
             self._open_next_buffer()
@@ -264,6 +339,38 @@ class FrameReader:
                 return frames
             else:
                 position = self._read_body(view, position)
+
+    def _read_whole_frame(self, view: memoryview, position: int) -> tuple[Frame, int] | None:
+        """The common case, a frame wholly inside this packet, without the
+        state machine; None leaves it to the general path."""
+        end = len(view)
+        if end - position < HEADER.size:
+            return None
+        (head_size,) = HEADER.unpack_from(view, position)
+        body = position + HEADER.size + head_size
+        if head_size > MAX_ENVELOPE_SIZE or body > end:
+            return None
+        envelope = Envelope()
+        try:
+            envelope.ParseFromString(view[position + HEADER.size : body])
+        except Exception as exc:
+            raise ProtocolError(f"unparseable envelope: {exc}") from exc
+        sizes = list(envelope.buffer_sizes)
+        payload_end = body + envelope.payload_size
+        frame_end = payload_end + sum(sizes)
+        if frame_end > end or envelope.shared_buffers:
+            return None
+        if self.max_message_size and frame_end - body > self.max_message_size:
+            return None  # the general path raises the error
+        buffers = []
+        offset = payload_end
+        for size in sizes:
+            buffer = torch.empty(size, dtype=torch.uint8)
+            if size:
+                buffer.numpy()[:] = np.frombuffer(view, dtype=np.uint8, count=size, offset=offset)
+            buffers.append(buffer)
+            offset += size
+        return Frame(envelope, bytes(view[body:payload_end]), buffers), frame_end
 
     def _read_envelope(self, view: memoryview, position: int) -> int:
         needed = HEADER.size - len(self._head)
@@ -309,13 +416,22 @@ class FrameReader:
     def _open_next_buffer(self) -> None:
         """Once the payload is in, allocate buffers as the previous one fills
         (zero-sized ones complete at once)."""
-        sizes = self._envelope.buffer_sizes  # type: ignore[union-attr]
+        envelope = self._envelope
+        assert envelope is not None
+        sizes = envelope.buffer_sizes
         while (
             not self._payload_missing()
             and len(self._buffers) < len(sizes)
             and (self._target is None or self._filled == len(self._target))
         ):
-            buffer = torch.empty(sizes[len(self._buffers)], dtype=torch.uint8)
+            index = len(self._buffers)
+            if envelope.shared_buffers and index in envelope.shared_buffers:
+                if self._attach is None:
+                    raise ProtocolError("shared-memory buffer on a stream that does not accept them")
+                self._buffers.append(self._attach(envelope.shared_buffers[index]))
+                self._target = None
+                continue
+            buffer = torch.empty(sizes[index], dtype=torch.uint8)
             self._buffers.append(buffer)
             self._target, self._filled = buffer.numpy(), 0
 

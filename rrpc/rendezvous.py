@@ -109,11 +109,14 @@ class Rendezvous:
                 f"of world_size {self.world_size} never arrived"
             ) from exc
 
-    def exchange(self, name: str, address: str) -> list[tuple[WorkerInfo, str]]:
-        """Publish this worker, wait for all, and return every (WorkerInfo, address)."""
+    def exchange(
+        self, name: str, address: str, advertised: dict
+    ) -> list[tuple[WorkerInfo, str, dict]]:
+        """Publish this worker, wait for all, and return every worker's
+        (WorkerInfo, address, what it advertised)."""
         if self.store.add(f"{self.prefix}claim/{self.rank}", 1) > 1:
             raise RpcError(f"rank {self.rank} is claimed by more than one worker")
-        self.store.set(f"{self.prefix}worker/{self.rank}", json.dumps([name, address]))
+        self.store.set(f"{self.prefix}worker/{self.rank}", json.dumps([name, address, advertised]))
         self._wait("worker", self.timeout, "rendezvous")
         table = [json.loads(self.store.get(key)) for key in self._keys("worker")]
         names = Counter(entry[0] for entry in table)
@@ -121,7 +124,7 @@ class Rendezvous:
             if count > 1:
                 ranks = [rank for rank, entry in enumerate(table) if entry[0] == duplicate]
                 raise RpcError(f"duplicate worker name {duplicate!r} used by ranks {ranks}")
-        return [(WorkerInfo(entry[0], rank), entry[1]) for rank, entry in enumerate(table)]
+        return [(WorkerInfo(entry[0], rank), entry[1], entry[2]) for rank, entry in enumerate(table)]
 
     def barrier(self, tag: str, timeout: float) -> None:
         self.store.set(f"{self.prefix}{tag}/{self.rank}", b"1")

@@ -108,6 +108,7 @@ class Connection:
         max_message_size: int,
         peer_name: str,
         credentials: grpc.ChannelCredentials | None = None,
+        attach: Callable[[Any], Any] | None = None,
     ):
         self.peer_name = peer_name
         self.closed = False  # set once the stream has ended, before on_close runs
@@ -120,7 +121,7 @@ class Connection:
         self._call = stream(_send_queue_packets(self._outbox, packet_size), metadata=metadata)
         self._on_frame = on_frame
         self._on_close = on_close
-        self._reader = codec.FrameReader(max_message_size)
+        self._reader = codec.FrameReader(max_message_size, attach)
         self._thread = threading.Thread(
             target=self._receive, name=f"rrpc-recv-{peer_name}", daemon=True
         )
@@ -183,8 +184,10 @@ class Server:
         max_message_size: int,
         credentials: grpc.ServerCredentials | None = None,
         port: int = 0,
+        attach: Callable[[Any], Any] | None = None,
     ):
         self._on_frame = on_frame
+        self._attach = attach
         self._token = auth_token
         self._packet_size = packet_size
         self._max_message_size = max_message_size
@@ -216,7 +219,7 @@ class Server:
         peer_rank = int(metadata.get("rrpc-rank", "-1"))
         outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._outboxes.add(outbox)
-        reader = codec.FrameReader(self._max_message_size)
+        reader = codec.FrameReader(self._max_message_size, self._attach)
 
         def respond(pieces: list[Any]) -> None:
             outbox.put(pieces)

@@ -1,0 +1,51 @@
+# Set-up, tests and tools. Everything runs from the project's own venv (.venv),
+# which `make venv` builds and every other target builds on demand.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.stamp
+PYTEST_ARGS ?=
+
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: venv test test-slow demo bench lint proto clean
+
+venv: $(STAMP)
+
+# torch goes in first, alone and pinned, so that nothing resolves it to a
+# CUDA build; the constraints keep it pinned through the second install.
+# The stamp makes the venv reinstall whenever the dependencies change.
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -c constraints.txt torch==2.13.0
+	$(PY) -m pip install -c constraints.txt -e '.[dev,examples]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+
+# pytest exits 5 when nothing is selected; no slow test yet is not a failure.
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -ra -m slow $(PYTEST_ARGS) || [ $$? -eq 5 ]
+
+demo: $(STAMP)
+	$(PY) examples/quickstart.py
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy rrpc
+
+# Messages only (python_out): rrpc defines its own service handlers, so no
+# grpc stubs are generated.
+proto: $(STAMP)
+	mkdir -p rrpc/_proto
+	$(PY) -m grpc_tools.protoc -I proto --python_out=rrpc/_proto proto/rrpc.proto
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache .mypy_cache
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

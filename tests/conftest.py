@@ -1,0 +1,22 @@
+"""Shared test set-up: `import rrpc` and `import harness` work, and no worker outlives its test."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+# `make venv` installs rrpc in editable mode; this is the fallback for a bare
+# checkout. Spawned workers inherit sys.path, so it reaches them too.
+_TESTS = Path(__file__).resolve().parent
+for _path in (str(_TESTS.parent), str(_TESTS)):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+import harness  # noqa: E402 -- needs the path above
+
+
+@pytest.fixture(autouse=True)
+def _stop_leftover_workers():
+    """A WorkerGroup left open (not used with `with`) is stopped when its test ends."""
+    yield
+    harness.kill_leftovers()
