@@ -288,6 +288,25 @@ class Agent:
     def all_workers(self) -> list[WorkerInfo]:
         return [self._peers_by_rank[rank] for rank in sorted(self._peers_by_rank)]
 
+    def all_unreachable(self, ranks: list[int], timeout: float = 2.0) -> bool:
+        """True if none of ``ranks`` answers a no-op call: they are gone."""
+        probes = []
+        for rank in ranks:
+            try:
+                peer = self._peers_by_rank[rank]
+                probes.append(self.send(peer, messages.CALL, (int, (), {}), timeout, "liveness probe"))
+            except RpcError:
+                continue
+        for probe in probes:
+            try:
+                probe.wait()
+                return False
+            except PeerUnavailableError:
+                continue
+            except RpcError:
+                return False  # alive but slow or busy: keep waiting for it
+        return True
+
     def peer_stats(self, peer: WorkerInfo) -> PeerStats:
         stats = self.stats.get(peer.name)
         if stats is None:

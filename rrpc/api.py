@@ -115,7 +115,7 @@ def shutdown(graceful: bool = True, timeout: float = 60.0) -> None:
                         f"shutdown of {agent.info.name}: calls still pending after {timeout:g} s"
                     )
                 if rendezvous is not None:
-                    rendezvous.barrier("shutdown", timeout)
+                    rendezvous.barrier("shutdown", timeout, gone=agent.all_unreachable)
         finally:
             agent.stop(graceful)
             for stop in agent_module.on_stop:

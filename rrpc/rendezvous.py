@@ -15,7 +15,9 @@ import itertools
 import json
 import os
 import socket
+import time
 from collections import Counter
+from collections.abc import Callable
 from datetime import timedelta
 from urllib.parse import urlparse
 
@@ -82,6 +84,7 @@ class Rendezvous:
         self.timeout = timeout
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self.prefix = f"rrpc/{restart}/{next(_generations)}/"
+        self._gone: set[int] = set()  # ranks found dead at a barrier: nobody waits for them
         self.hosting = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
         try:
             self.store = dist.TCPStore(
@@ -126,16 +129,37 @@ class Rendezvous:
                 raise RpcError(f"duplicate worker name {duplicate!r} used by ranks {ranks}")
         return [(WorkerInfo(entry[0], rank), entry[1], entry[2]) for rank, entry in enumerate(table)]
 
-    def barrier(self, tag: str, timeout: float) -> None:
+    def barrier(
+        self, tag: str, timeout: float, gone: Callable[[list[int]], bool] | None = None
+    ) -> None:
+        """Wait until every rank arrives; or, with ``gone``, until every rank
+        that has not arrived is one that ``gone`` confirms dead."""
         self.store.set(f"{self.prefix}{tag}/{self.rank}", b"1")
-        self._wait(tag, timeout, f"barrier {tag!r}")
+        keys = self._keys(tag)
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                self.store.wait(keys, timedelta(seconds=max(0.01, min(1.0, remaining))))
+                return
+            except Exception:
+                missing = [rank for rank, key in enumerate(keys) if not self.store.check([key])]
+                if not missing or (gone is not None and gone(missing)):
+                    self._gone = set(missing)
+                    return
+                if time.monotonic() >= deadline:
+                    raise RpcError(
+                        f"barrier {tag!r} at {self.where} timed out after {timeout:g} s: "
+                        f"rank(s) {missing} of world_size {self.world_size} never arrived"
+                    ) from None
 
     def close(self, timeout: float = 10.0) -> None:
         """Leave; the host keeps the store until every rank has left it."""
         try:
             self.store.set(f"{self.prefix}left/{self.rank}", b"1")
             if self.hosting:
-                self.store.wait(self._keys("left"), timedelta(seconds=timeout))
+                keys = [key for rank, key in enumerate(self._keys("left")) if rank not in self._gone]
+                self.store.wait(keys, timedelta(seconds=timeout))
         except Exception:
             pass  # a peer that died cannot leave; the store goes anyway
         del self.store
