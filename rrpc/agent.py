@@ -225,6 +225,8 @@ class Agent:
         self._peers_by_name: dict[str, WorkerInfo] = {}
         self._peers_by_rank: dict[int, WorkerInfo] = {}
         self._addresses: dict[int, str] = {}
+        # Finds a worker this one does not know yet (dynamic membership): set by init_rpc.
+        self.lookup: Callable[[str | int], tuple[WorkerInfo, str, dict] | None] | None = None
         self._pending: dict[int, _Pending] = {}
         self._ids = itertools.count(1)
         self._connections: dict[int, transport.Connection] = {}
@@ -280,10 +282,21 @@ class Agent:
             found = self._peers_by_rank.get(to)
         else:
             raise TypeError(f"'to' must be a worker name, rank or WorkerInfo, not {type(to)}")
+        if found is None and self.lookup is not None:
+            found = self._learn(to.id if isinstance(to, WorkerInfo) else to)
         if found is None:
             known = ", ".join(sorted(self._peers_by_name)) or "none"
             raise ValueError(f"unknown worker {to!r} (known workers: {known})")
         return found
+
+    def _learn(self, worker: str | int) -> WorkerInfo | None:
+        """Ask the rendezvous about a worker that joined after this one."""
+        assert self.lookup is not None
+        entry = self.lookup(worker)
+        if entry is None:
+            return None
+        self.add_peer(*entry)
+        return entry[0]
 
     def all_workers(self) -> list[WorkerInfo]:
         return [self._peers_by_rank[rank] for rank in sorted(self._peers_by_rank)]
@@ -435,7 +448,11 @@ class Agent:
         self.handlers[kind] = handler
 
     def _on_request(self, frame: codec.Frame, peer_rank: int, respond) -> None:
-        peer = self._peers_by_rank.get(peer_rank) or WorkerInfo(f"rank{peer_rank}", peer_rank)
+        peer = self._peers_by_rank.get(peer_rank)
+        if peer is None:
+            peer = (self._learn(peer_rank) if self.lookup else None) or WorkerInfo(
+                f"rank{peer_rank}", peer_rank
+            )
         self._pool.submit(self._serve, frame, peer, respond)
 
     def _serve(self, frame: codec.Frame, peer: WorkerInfo, respond) -> None:

@@ -45,7 +45,9 @@ def init_rpc(
         name: a unique name for this worker, e.g. ``"trainer0"``.
         backend: ignored; accepted so that code written for PyTorch runs unchanged.
         rank: this worker's rank in ``[0, world_size)``; default: ``$RANK``.
-        world_size: number of workers; default: ``$WORLD_SIZE``.
+        world_size: number of workers; default: ``$WORLD_SIZE``. When neither
+            is set, membership is dynamic: workers may join at any time (rank 0,
+            which hosts the store, joins first and leaves last).
         rpc_backend_options: an ``rrpc.RpcBackendOptions`` (timeouts, threads,
             auth token, advertised host, ...).
 
@@ -80,6 +82,7 @@ def init_rpc(
                 name, agent.address, agent.advertisement()
             ):
                 agent.add_peer(info, address, advertised)
+            agent.lookup = rendezvous.lookup
             for start in agent_module.on_start:
                 start(agent)
         except BaseException:

@@ -7,6 +7,12 @@ hosts one there (``TORCHELASTIC_USE_AGENT_STORE``): then every rank is a client,
 exactly as ``init_process_group`` behaves.
 
 The same store carries the shutdown barriers.
+
+Dynamic membership (``world_size=None``, as PyTorch's dynamic RPC): a worker
+may join at any time. It publishes itself the same way and learns who is
+there; workers already running learn of it lazily, when a name or rank they
+do not know is asked for or calls them (``lookup``). There is no barrier at
+shutdown in this mode, and the store's host (rank 0) must leave last.
 """
 
 from __future__ import annotations
@@ -30,15 +36,16 @@ _generations = itertools.count()  # one prefix per init in this process
 
 def resolve_world(
     rank: int | None, world_size: int | None, init_method: str
-) -> tuple[int, int, str, int]:
-    """Rank, world size and store address from the arguments or torchrun's env."""
+) -> tuple[int, int | None, str, int]:
+    """Rank, world size (None: dynamic membership) and store address, from the
+    arguments or the environment torchrun sets."""
     if rank is None:
         rank = _env_int("RANK", "rank")
-    if world_size is None:
+    if world_size is None and os.environ.get("WORLD_SIZE") is not None:
         world_size = _env_int("WORLD_SIZE", "world_size")
-    if world_size < 1:
+    if world_size is not None and world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if not 0 <= rank < world_size:
+    if rank < 0 or (world_size is not None and rank >= world_size):
         raise ValueError(f"rank {rank} is out of range for world_size {world_size}")
     if init_method.startswith("tcp://"):
         parsed = urlparse(init_method)
@@ -77,7 +84,7 @@ def advertise_host(master_host: str, configured: str | None) -> str:
 
 
 class Rendezvous:
-    def __init__(self, rank: int, world_size: int, host: str, port: int, timeout: float):
+    def __init__(self, rank: int, world_size: int | None, host: str, port: int, timeout: float):
         self.rank = rank
         self.world_size = world_size
         self.where = f"{host}:{port}"
@@ -99,6 +106,7 @@ class Rendezvous:
             raise RpcError(f"rank {rank} cannot reach the rendezvous store at {self.where}: {exc}") from exc
 
     def _keys(self, tag: str) -> list[str]:
+        assert self.world_size is not None
         return [f"{self.prefix}{tag}/{rank}" for rank in range(self.world_size)]
 
     def _wait(self, tag: str, timeout: float, doing: str) -> None:
@@ -119,7 +127,16 @@ class Rendezvous:
         (WorkerInfo, address, what it advertised)."""
         if self.store.add(f"{self.prefix}claim/{self.rank}", 1) > 1:
             raise RpcError(f"rank {self.rank} is claimed by more than one worker")
+        if self.world_size is None and self.store.add(f"{self.prefix}name/{name}", 1) > 1:
+            raise RpcError(f"duplicate worker name {name!r}: another worker already joined with it")
         self.store.set(f"{self.prefix}worker/{self.rank}", json.dumps([name, address, advertised]))
+        self.store.set(f"{self.prefix}rank-of/{name}", str(self.rank))
+        if self.world_size is None:
+            joined = self.store.add(f"{self.prefix}joined", 1)
+            self.store.set(f"{self.prefix}joined/{joined}", str(self.rank))
+            ranks = [int(self.store.get(f"{self.prefix}joined/{i}")) for i in range(1, joined + 1)]
+            found = (self.lookup(rank) for rank in ranks)
+            return [entry for entry in found if entry is not None]
         self._wait("worker", self.timeout, "rendezvous")
         table = [json.loads(self.store.get(key)) for key in self._keys("worker")]
         names = Counter(entry[0] for entry in table)
@@ -129,11 +146,27 @@ class Rendezvous:
                 raise RpcError(f"duplicate worker name {duplicate!r} used by ranks {ranks}")
         return [(WorkerInfo(entry[0], rank), entry[1], entry[2]) for rank, entry in enumerate(table)]
 
+    def lookup(self, worker: str | int) -> tuple[WorkerInfo, str, dict] | None:
+        """A worker that joined, by name or rank; None if there is none."""
+        if isinstance(worker, str):
+            key = f"{self.prefix}rank-of/{worker}"
+            if not self.store.check([key]):
+                return None
+            worker = int(self.store.get(key))
+        key = f"{self.prefix}worker/{worker}"
+        if not self.store.check([key]):
+            return None
+        name, address, advertised = json.loads(self.store.get(key))
+        return WorkerInfo(name, worker), address, advertised
+
     def barrier(
         self, tag: str, timeout: float, gone: Callable[[list[int]], bool] | None = None
     ) -> None:
         """Wait until every rank arrives; or, with ``gone``, until every rank
-        that has not arrived is one that ``gone`` confirms dead."""
+        that has not arrived is one that ``gone`` confirms dead. (No-op with
+        dynamic membership: there is no fixed set of ranks to wait for.)"""
+        if self.world_size is None:
+            return
         self.store.set(f"{self.prefix}{tag}/{self.rank}", b"1")
         keys = self._keys(tag)
         deadline = time.monotonic() + timeout
@@ -157,7 +190,7 @@ class Rendezvous:
         """Leave; the host keeps the store until every rank has left it."""
         try:
             self.store.set(f"{self.prefix}left/{self.rank}", b"1")
-            if self.hosting:
+            if self.hosting and self.world_size is not None:
                 keys = [key for rank, key in enumerate(self._keys("left")) if rank not in self._gone]
                 self.store.wait(keys, timedelta(seconds=timeout))
         except Exception:
