@@ -173,7 +173,8 @@ class Rendezvous:
         while True:
             remaining = deadline - time.monotonic()
             try:
-                self.store.wait(keys, timedelta(seconds=max(0.01, min(1.0, remaining))))
+                # Slices, to notice dead ranks; long ones, as c10d logs each that expires.
+                self.store.wait(keys, timedelta(seconds=max(0.01, min(5.0, remaining))))
                 return
             except Exception:
                 missing = [rank for rank, key in enumerate(keys) if not self.store.check([key])]
