@@ -153,6 +153,9 @@ class _WorkerPool:
                 fn(*args)
             except BaseException:
                 log.exception("rrpc: a request handler failed outside its own error handling")
+            # Drop the request now, not when the next one arrives: it may hold
+            # a peer's shared-memory slot, which is freed with its last tensor.
+            del task, fn, args
 
     def stop(self, timeout: float) -> None:
         for _ in self._threads:

@@ -90,9 +90,13 @@ def _send_queue_packets(outbox: queue.SimpleQueue, packet_size: int) -> Iterator
 def _read_frames(
     packets: Iterator[bytes], reader: codec.FrameReader, on_frame: FrameHandler
 ) -> None:
+    # No frame may stay referenced here while the next packet is awaited: a
+    # received tensor's shared-memory slot is freed with its last reference.
     for packet in packets:
-        for frame in reader.feed(packet):
-            on_frame(frame)
+        frames = reader.feed(packet)
+        del packet
+        while frames:
+            on_frame(frames.pop(0))
 
 
 class Connection:

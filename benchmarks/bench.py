@@ -1,0 +1,665 @@
+"""Side-by-side benchmark: rrpc against torch.distributed.rpc (TensorPipe).
+
+Run from the repository root:
+
+    python benchmarks/bench.py                       # everything, ~5 min on 2 vCPUs
+    python benchmarks/bench.py --quick               # fewer repeats and calls, ~1.5 min
+    python benchmarks/bench.py --only noop_sync,echo_16m
+    python benchmarks/bench.py --frameworks torch    # reference numbers only
+    python benchmarks/bench.py --json results.json
+
+How it measures. Every workload runs in fresh processes: two (a "client" that
+drives the measurement and a "server" it calls) or, for `param_server`, three.
+They are started with the multiprocessing spawn context on a free port of
+127.0.0.1 and talk through the framework under test; the driver sends its
+numbers back over a multiprocessing queue. For each workload the frameworks
+alternate (torch, rrpc, rrpc, torch, ...) for R repeats and the table shows the
+median over the repeats, so drift on the machine hits both sides alike.
+
+How to read it. Each row is one metric; "speedup" is rrpc's advantage over
+torch: rrpc ÷ torch for rates (calls/s, GB/s), torch ÷ rrpc for times and
+memory. Above 1 means rrpc is better, below 1 means torch is. A cell reading
+"n/a (...)" means that run failed; the message says why (tracebacks go to
+stderr). Expect ±20-40 % noise between runs on a small VM; the header prints the
+load average, and when it is above the CPU count other work is competing and the
+numbers mean little.
+
+Both frameworks are driven through the same code: a workload receives the
+framework's modules (rpc, autograd, DistributedOptimizer) and cannot tell which
+one it has, which is also a check that rrpc's API mirrors PyTorch's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import multiprocessing
+import os
+import platform
+import queue
+import resource
+import socket
+import statistics
+import sys
+import threading
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+MiB = 1024 * 1024
+ECHO_SIZES = {"echo_4k": 4 * 1024, "echo_1m": MiB, "echo_16m": 16 * MiB, "echo_128m": 128 * MiB}
+PEAK_MEM_PAYLOAD = 128 * MiB
+PARAM_SERVER_BYTES = 4 * MiB
+RUN_TIMEOUT_S = 90.0  # one process group for one workload; a hang becomes "n/a (timeout ...)"
+
+
+# --- the framework under test -------------------------------------------------------
+
+# Set in each worker process before any RPC arrives, so that functions run on the
+# server (which must be module-level to be picklable) reach the same framework.
+FW: Framework
+
+
+class Framework:
+    """The framework's modules, under the names both frameworks share.
+
+    `autograd` and `DistributedOptimizer` are imported on first use: a framework
+    without them still runs the other workloads, and torch.distributed.optim alone
+    takes ~1.3 s to import here, which every process of every run would pay.
+    """
+
+    def __init__(self, name: str):
+        if name not in ("torch", "rrpc"):
+            raise ValueError(f"unknown framework {name!r}; expected 'torch' or 'rrpc'")
+        self.name = name
+        self.rpc = importlib.import_module("torch.distributed.rpc" if name == "torch" else "rrpc")
+
+    @property
+    def autograd(self) -> Any:
+        return importlib.import_module(f"{self._package}.autograd")
+
+    @property
+    def DistributedOptimizer(self) -> type:
+        return importlib.import_module(f"{self._package}.optim").DistributedOptimizer
+
+    @property
+    def _package(self) -> str:
+        return "torch.distributed" if self.name == "torch" else "rrpc"
+
+
+# --- functions the server runs -------------------------------------------------------
+
+
+def noop() -> None:
+    return None
+
+
+def echo(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def make_small_tensor() -> torch.Tensor:
+    return torch.arange(16, dtype=torch.float32)
+
+
+def param_rrefs(module_rref: Any) -> list:
+    return [FW.rpc.RRef(p) for p in module_rref.local_value().parameters()]
+
+
+_ps_lock = threading.Lock()
+_ps_params: torch.Tensor | None = None
+
+
+def ps_update(grad: torch.Tensor) -> torch.Tensor:
+    """Add a trainer's gradient into the server's parameters; return a snapshot of them."""
+    global _ps_params
+    with _ps_lock:
+        if _ps_params is None:
+            _ps_params = torch.zeros_like(grad)
+        _ps_params.add_(grad)
+        # A copy, because the reply is serialized after the lock is released.
+        return _ps_params.clone()
+
+
+# --- workloads: each runs on the driver rank(s) and returns its metrics --------------
+
+
+def percentile(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def timed_calls(call: Callable[[], Any], n: int, warmup: int) -> list[float]:
+    """Seconds taken by each of n sequential calls, after `warmup` untimed ones."""
+    for _ in range(warmup):
+        call()
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def noop_sync(fw: Framework, n: int) -> dict:
+    times = timed_calls(lambda: fw.rpc.rpc_sync("server", noop), n, warmup=max(50, n // 10))
+    return {"p50_us": percentile(times, 50) * 1e6, "p99_us": percentile(times, 99) * 1e6}
+
+
+def async_64(fw: Framework, n: int, window: int = 64) -> dict:
+    """A sliding window: a new call is issued as soon as one of the 64 in flight completes."""
+    slots = threading.Semaphore(window)
+    errors: list[BaseException] = []
+
+    def release(fut: Any) -> None:
+        try:
+            fut.wait()
+        except BaseException as e:  # recorded and raised on the driver thread
+            errors.append(e)
+        slots.release()
+
+    def run(calls: int) -> None:
+        for _ in range(calls):
+            slots.acquire()
+            fw.rpc.rpc_async("server", noop).add_done_callback(release)
+        for _ in range(window):  # wait for the last calls in flight
+            slots.acquire()
+        for _ in range(window):
+            slots.release()
+        if errors:
+            raise errors[0]
+
+    run(window * 4)
+    start = time.perf_counter()
+    run(n)
+    return {"calls_per_s": n / (time.perf_counter() - start)}
+
+
+def threads_64(fw: Framework, n: int, threads: int = 64) -> dict:
+    per_thread = max(1, n // threads)
+    start_together = threading.Barrier(threads + 1)
+    errors: list[BaseException] = []
+
+    def caller() -> None:
+        try:
+            fw.rpc.rpc_sync("server", noop)  # warm-up: each thread's first call
+            start_together.wait()
+            for _ in range(per_thread):
+                fw.rpc.rpc_sync("server", noop)
+        except BaseException as e:
+            errors.append(e)
+            start_together.abort()  # so that nobody waits for this thread at the start
+
+    pool = [threading.Thread(target=caller) for _ in range(threads)]
+    for t in pool:
+        t.start()
+    try:
+        start_together.wait()
+    except threading.BrokenBarrierError:
+        pass  # a caller failed; its error is raised below
+    start = time.perf_counter()
+    for t in pool:
+        t.join()
+    elapsed = time.perf_counter() - start
+    if errors:
+        raise errors[0]
+    return {"calls_per_s": threads * per_thread / elapsed}
+
+
+def echo_tensor(fw: Framework, n: int, nbytes: int) -> dict:
+    t = torch.rand(nbytes // 4)
+    times = timed_calls(lambda: fw.rpc.rpc_sync("server", echo, args=(t,)), n, warmup=2)
+    median = statistics.median(times)
+    return {"ms": median * 1e3, "gb_per_s": 2 * nbytes / median / 1e9}
+
+
+def remote_to_here(fw: Framework, n: int) -> dict:
+    times = timed_calls(
+        lambda: fw.rpc.remote("server", make_small_tensor).to_here(), n, warmup=max(20, n // 10)
+    )
+    return {"p50_us": percentile(times, 50) * 1e6}
+
+
+def dist_autograd(fw: Framework, n: int) -> dict:
+    module = fw.rpc.remote("server", torch.nn.Linear, args=(512, 512))
+    params = fw.rpc.rpc_sync("server", param_rrefs, args=(module,))
+    optimizer = fw.DistributedOptimizer(torch.optim.SGD, params, lr=0.01)
+    x = torch.randn(32, 512)
+
+    def step() -> None:
+        with fw.autograd.context() as context_id:
+            loss = module.rpc_sync().forward(x).sum()
+            fw.autograd.backward(context_id, [loss])
+            optimizer.step(context_id)
+
+    times = timed_calls(step, n, warmup=5)
+    return {"steps_per_s": n / sum(times)}
+
+
+def param_server(fw: Framework, n: int) -> dict:
+    """Runs on each trainer; the two trainers' spans are merged by `combine_trainers`."""
+    grad = torch.full((PARAM_SERVER_BYTES // 4,), 1e-3)
+    for _ in range(3):
+        fw.rpc.rpc_sync("server", ps_update, args=(grad,))
+    start = time.monotonic()  # CLOCK_MONOTONIC: comparable between processes
+    for _ in range(n):
+        fw.rpc.rpc_sync("server", ps_update, args=(grad,))
+    return {"updates": n, "start": start, "end": time.monotonic()}
+
+
+def peak_mem(fw: Framework, n: int) -> dict:
+    fw.rpc.rpc_sync("server", echo, args=(torch.rand(PEAK_MEM_PAYLOAD // 4),))
+    return {}  # the peak RSS of every rank is reported by `worker_main`
+
+
+def combine_trainers(per_rank: list[dict]) -> dict:
+    trainers = [r["metrics"] for r in per_rank if r["metrics"]]
+    span = max(t["end"] for t in trainers) - min(t["start"] for t in trainers)
+    return {"updates_per_s": sum(t["updates"] for t in trainers) / span}
+
+
+def combine_peak_rss(per_rank: list[dict]) -> dict:
+    client, server = (r["max_rss_bytes"] for r in per_rank)
+    return {
+        "client_x": client / PEAK_MEM_PAYLOAD,
+        "server_x": server / PEAK_MEM_PAYLOAD,
+        "client_mib": client / MiB,
+        "server_mib": server / MiB,
+    }
+
+
+# --- the catalogue ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Row:
+    metric: str  # key in the workload's metrics
+    label: str
+    unit: str
+    higher_is_better: bool
+    extra: str | None = None  # a second metric shown in the same cell, e.g. GB/s beside ms
+    extra_unit: str = ""
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    run: Callable[..., dict]  # (fw, n) -> metrics, on each driver rank
+    n: int  # calls/steps per run
+    n_quick: int
+    rows: tuple[Row, ...]
+    roles: tuple[str, ...] = ("client", "server")  # worker names by rank; the last one is called
+    drivers: tuple[int, ...] = (0,)
+    combine: Callable[[list[dict]], dict] | None = None  # default: the first driver's metrics
+    kwargs: dict = field(default_factory=dict)
+
+
+def _echo(name: str, n: int, n_quick: int) -> Workload:
+    row = Row("ms", "round trip", "ms", higher_is_better=False, extra="gb_per_s", extra_unit="GB/s")
+    return Workload(name, echo_tensor, n, n_quick, (row,), kwargs={"nbytes": ECHO_SIZES[name]})
+
+
+WORKLOADS = [
+    Workload(
+        "noop_sync",
+        noop_sync,
+        2000,
+        500,
+        (Row("p50_us", "rpc_sync p50", "µs", False), Row("p99_us", "rpc_sync p99", "µs", False)),
+    ),
+    Workload(
+        "async_64", async_64, 4000, 1500, (Row("calls_per_s", "64 in flight", "calls/s", True),)
+    ),
+    Workload(
+        "threads_64", threads_64, 2560, 1280, (Row("calls_per_s", "64 threads", "calls/s", True),)
+    ),
+    _echo("echo_4k", 500, 200),
+    _echo("echo_1m", 100, 40),
+    _echo("echo_16m", 20, 8),
+    _echo("echo_128m", 4, 2),
+    Workload(
+        "remote_to_here",
+        remote_to_here,
+        500,
+        200,
+        (Row("p50_us", "remote().to_here() p50", "µs", False),),
+    ),
+    Workload(
+        "dist_autograd",
+        dist_autograd,
+        150,
+        50,
+        (Row("steps_per_s", "Linear(512,512) step", "steps/s", True),),
+    ),
+    Workload(
+        "param_server",
+        param_server,
+        40,
+        15,
+        (Row("updates_per_s", "2 trainers, 4 MiB", "updates/s", True),),
+        roles=("trainer0", "trainer1", "server"),
+        drivers=(0, 1),
+        combine=combine_trainers,
+    ),
+    Workload(
+        "peak_mem_128m",
+        peak_mem,
+        1,
+        1,
+        (
+            Row("client_x", "peak RSS client", "× payload", False, "client_mib", "MiB"),
+            Row("server_x", "peak RSS server", "× payload", False, "server_mib", "MiB"),
+        ),
+        combine=combine_peak_rss,
+    ),
+]
+
+
+# --- processes -----------------------------------------------------------------------
+
+
+def worker_main(
+    framework: str, workload: Workload, n: int, rank: int, port: int, results: Any
+) -> None:
+    """One process of one run: join the group, drive the workload if this rank drives, report."""
+    global FW
+    # torch's own deprecation notices, printed by every run otherwise.
+    warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    report: dict = {"rank": rank, "metrics": None, "error": None}
+    try:
+        FW = Framework(framework)
+        FW.rpc.init_rpc(
+            workload.roles[rank],
+            rank=rank,
+            world_size=len(workload.roles),
+            rpc_backend_options=None,
+        )
+        try:
+            if rank in workload.drivers:
+                report["metrics"] = workload.run(FW, n, **workload.kwargs)
+        except Exception as e:
+            report["error"] = _short_error(e)
+            traceback.print_exc(file=sys.stderr)
+        finally:
+            FW.rpc.shutdown()
+    except Exception as e:
+        report["error"] = report["error"] or _short_error(e)
+    # ru_maxrss is KiB on Linux.
+    report["max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    results.put(report)
+    # Skip the interpreter's teardown (torch's and gRPC's finalizers): it is not what
+    # is measured, and it added seconds to every run. The report is flushed first.
+    results.close()
+    results.join_thread()
+    os._exit(0)
+
+
+def _short_error(e: BaseException) -> str:
+    first_line = (str(e).strip().splitlines() or [""])[0]
+    text = f"{type(e).__name__}: {first_line}"
+    return text if len(text) <= 70 else text[:69] + "…"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_once(framework: str, workload: Workload, n: int) -> dict:
+    """Run one workload on one framework in fresh processes; its metrics, or {"error": ...}."""
+    spawn = multiprocessing.get_context("spawn")
+    results = spawn.Queue()
+    port = free_port()
+    procs = [
+        spawn.Process(
+            target=worker_main, args=(framework, workload, n, rank, port, results), daemon=True
+        )
+        for rank in range(len(workload.roles))
+    ]
+    try:
+        for p in procs:
+            p.start()
+        per_rank = collect_reports(procs, results)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        results.close()
+    if isinstance(per_rank, str):
+        return {"error": per_rank}
+    errors = [r["error"] for r in per_rank if r["error"]]
+    if errors:
+        return {"error": errors[0]}
+    if workload.combine:
+        return workload.combine(per_rank)
+    return per_rank[workload.drivers[0]]["metrics"]
+
+
+def collect_reports(procs: list, results: Any) -> list[dict] | str:
+    """Every rank's report, by rank; or why not: a rank that died, or the time limit."""
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    reports: list[dict] = []
+    while len(reports) < len(procs):
+        try:
+            reports.append(results.get(timeout=0.5))
+            continue
+        except queue.Empty:
+            pass
+        reported = {r["rank"] for r in reports}
+        for rank, p in enumerate(procs):
+            # A rank that reported exits 0 right after; any other exit is a crash.
+            if rank not in reported and p.exitcode not in (None, 0):
+                return f"rank {rank} died with exit code {p.exitcode}"
+        if time.monotonic() > deadline:
+            return f"timeout after {RUN_TIMEOUT_S:.0f} s"
+    return sorted(reports, key=lambda r: r["rank"])
+
+
+def benchmark(
+    workload: Workload, frameworks: list[str], repeats: int, quick: bool, broken: dict
+) -> dict:
+    """Median of each metric over `repeats` interleaved runs, per framework (or an error).
+
+    A framework whose run fails is not run again for this workload: the error is
+    its result, and repeating a failure (or a timeout) only costs time.
+    """
+    n = workload.n_quick if quick else workload.n
+    runs: dict[str, list[dict]] = {fw: [] for fw in frameworks}
+    failed = dict(broken)
+    for repeat in range(repeats):
+        order = frameworks if repeat % 2 == 0 else frameworks[::-1]
+        for fw in order:
+            if fw in failed:
+                continue
+            started = time.monotonic()
+            result = run_once(fw, workload, n)
+            if "error" in result:
+                failed[fw] = result["error"]
+            else:
+                runs[fw].append(result)
+            print(
+                f"  {workload.name:<15} {fw:<6} #{repeat + 1}"
+                f" ({time.monotonic() - started:.1f} s): {_summary(result)}",
+                file=sys.stderr,
+                flush=True,
+            )
+    medians: dict[str, dict] = {}
+    for fw, results in runs.items():
+        if fw in failed:
+            medians[fw] = {"error": failed[fw]}
+        else:
+            medians[fw] = {key: statistics.median(r[key] for r in results) for key in results[0]}
+    return medians
+
+
+def _summary(result: dict) -> str:
+    if "error" in result:
+        return "n/a (" + result["error"] + ")"
+    return ", ".join(f"{k}={v:.4g}" for k, v in result.items())
+
+
+# --- report --------------------------------------------------------------------------
+
+
+def machine_description() -> str:
+    cpu = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return (
+        f"{os.cpu_count()} CPUs ({cpu}), Python {platform.python_version()}, "
+        f"torch {torch.__version__}, {platform.system()} {platform.release()}"
+    )
+
+
+def _load() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def format_cell(result: dict, row: Row) -> str:
+    if "error" in result:
+        return f"n/a (error: {result['error']})"
+    text = f"{_number(result[row.metric])} {row.unit}"
+    if row.extra:
+        text += f" ({_number(result[row.extra])} {row.extra_unit})"
+    return text
+
+
+def _number(value: float) -> str:
+    if abs(value) >= 1000:
+        return f"{value:,.0f}"
+    if abs(value) >= 100:
+        return f"{value:.0f}"
+    if abs(value) >= 10:
+        return f"{value:.1f}"
+    if abs(value) >= 0.1:
+        return f"{value:.2f}"
+    return f"{value:.2g}"
+
+
+def speedup(torch_result: dict, rrpc_result: dict, row: Row) -> float | None:
+    if "error" in torch_result or "error" in rrpc_result:
+        return None
+    ratio = rrpc_result[row.metric] / torch_result[row.metric]
+    return ratio if row.higher_is_better else 1 / ratio
+
+
+def print_table(results: dict[str, dict], frameworks: list[str]) -> None:
+    header = ["workload", "metric", *frameworks]
+    both = frameworks == ["torch", "rrpc"] or frameworks == ["rrpc", "torch"]
+    if both:
+        header = ["workload", "metric", "torch", "rrpc", "speedup (>1 = rrpc better)"]
+    lines = []
+    for workload in WORKLOADS:
+        if workload.name not in results:
+            continue
+        by_fw = results[workload.name]
+        for row in workload.rows:
+            cells = [workload.name, row.label]
+            if both:
+                ratio = speedup(by_fw["torch"], by_fw["rrpc"], row)
+                cells += [format_cell(by_fw["torch"], row), format_cell(by_fw["rrpc"], row)]
+                cells.append("" if ratio is None else f"{ratio:.2f}×")
+            else:
+                cells += [format_cell(by_fw[fw], row) for fw in frameworks]
+            lines.append(cells)
+    widths = [max(len(str(cells[i])) for cells in [header, *lines]) for i in range(len(header))]
+    for i, cells in enumerate([header, *lines]):
+        print("  ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip())
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+# --- main ----------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    names = [w.name for w in WORKLOADS]
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--frameworks", default="torch,rrpc", help="comma-separated: torch, rrpc")
+    parser.add_argument("--only", help="comma-separated workloads: " + ", ".join(names))
+    parser.add_argument("--quick", action="store_true", help="1 repeat and fewer calls per run")
+    parser.add_argument(
+        "--repeats", type=int, help="runs per framework and workload (default 3, --quick 1)"
+    )
+    parser.add_argument("--json", metavar="PATH", help="also write the results here")
+    args = parser.parse_args(argv)
+    args.frameworks = args.frameworks.split(",")
+    for fw in args.frameworks:
+        if fw not in ("torch", "rrpc"):
+            parser.error(f"unknown framework {fw!r}; choose from torch, rrpc")
+    args.only = args.only.split(",") if args.only else names
+    for name in args.only:
+        if name not in names:
+            parser.error(f"unknown workload {name!r}; choose from {', '.join(names)}")
+    args.repeats = args.repeats or (1 if args.quick else 3)
+    return args
+
+
+def unavailable_frameworks(frameworks: list[str]) -> dict[str, str]:
+    """Frameworks that cannot even be imported here, so their runs are skipped, not spawned."""
+    broken = {}
+    for fw in frameworks:
+        try:
+            Framework(fw)
+        except Exception as e:
+            broken[fw] = _short_error(e)
+    return broken
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    # Inherited by the workers: torch's C++ warnings (c10d store retries and poll
+    # timeouts while peers start or stop) would bury the progress lines.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    broken = unavailable_frameworks(args.frameworks)
+    machine = machine_description()
+    print(f"rrpc benchmark — {machine}")
+    print(f"load average before: {_load()} (above {os.cpu_count()} means other work competes)")
+    print(
+        f"median of {args.repeats} interleaved run(s) per cell, each in fresh processes"
+        f"{' (--quick)' if args.quick else ''}; speedup > 1 means rrpc is better"
+    )
+    for fw, error in broken.items():
+        print(f"note: {fw} is not importable ({error}); its cells read n/a")
+    started = time.monotonic()
+    results = {}
+    for workload in WORKLOADS:
+        if workload.name in args.only:
+            results[workload.name] = benchmark(
+                workload, args.frameworks, args.repeats, args.quick, broken
+            )
+    print()
+    print_table(results, args.frameworks)
+    print(f"\n{time.monotonic() - started:.0f} s; load average after: {_load()}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "machine": machine,
+                    "repeats": args.repeats,
+                    "quick": args.quick,
+                    "results": results,
+                },
+                f,
+                indent=2,
+            )
+
+
+if __name__ == "__main__":
+    main()
