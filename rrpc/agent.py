@@ -231,9 +231,11 @@ class Agent:
         # Finds a worker this one does not know yet (dynamic membership): set by init_rpc.
         self.lookup: Callable[[str | int], tuple[WorkerInfo, str, dict] | None] | None = None
         self._pending: dict[int, _Pending] = {}
+        self.suspects: set[int] = set()  # ranks whose stream broke: maybe dead
         self._ids = itertools.count(1)
         self._connections: dict[int, transport.Connection] = {}
         self._connect_lock = threading.Lock()
+        self._opened: list[transport.Connection] = []  # every channel opened, closed at stop
         self._stopped = False
         self._server_credentials, self._channel_credentials = _tls_credentials(options)
         self._metadata = [("rrpc-rank", str(rank))]
@@ -362,7 +364,8 @@ class Agent:
         stats.tensor_bytes_sent += out.tensor_bytes
         connection.send(out.pieces)
         if connection.closed:  # it broke between lookup and send: fail now, not at the deadline
-            self._fail(request_id, PeerUnavailableError(f"{peer.name} is unreachable"))
+            self._on_stream_closed(peer, connection, None)
+            self._fail(request_id, PeerUnavailableError(f"{what} on {peer.name}: unreachable"))
         return future
 
     def _connection(self, peer: WorkerInfo) -> transport.Connection:
@@ -378,7 +381,7 @@ class Agent:
                     self._addresses[peer.id],
                     self._metadata,
                     on_frame=lambda frame: self._on_reply(peer, frame),
-                    on_close=lambda error: self._on_stream_closed(peer, connection, error),
+                    on_close=lambda closed, error: self._on_stream_closed(peer, closed, error),
                     packet_size=self.options.chunk_size,
                     max_message_size=self.options.max_message_size,
                     peer_name=peer.name,
@@ -386,6 +389,7 @@ class Agent:
                     attach=self._attachments.tensor,
                 )
                 self._connections[peer.id] = connection
+                self._opened.append(connection)
         return connection
 
     def _on_reply(self, peer: WorkerInfo, frame: codec.Frame) -> None:
@@ -396,6 +400,8 @@ class Agent:
         stats.tensor_bytes_received += sum(len(b) for b in frame.buffers)
         if pending is None:
             return  # timed out or failed already
+        if self.suspects:
+            self.suspects.discard(peer.id)
         stats.replies += 1
         stats.latency_total += time.monotonic() - pending.started
         hook = None
@@ -440,6 +446,13 @@ class Agent:
         with self._connect_lock:
             if self._connections.get(peer.id) is connection:
                 del self._connections[peer.id]  # the next call reconnects (or fails fast)
+            if connection in self._opened:
+                self._opened.remove(connection)
+        if error is not None and not self._stopped:
+            self.suspects.add(peer.id)
+        # Close its channel now: an open channel left to the garbage collector
+        # can hang the interpreter's exit in gRPC's finalizer.
+        connection.release()
         reason = error or PeerUnavailableError(f"stream to {peer.name} closed")
         for request_id, pending in list(self._pending.items()):
             if pending.peer.id == peer.id:
@@ -539,8 +552,11 @@ class Agent:
             self._stopped = True
             connections = list(self._connections.values())
             self._connections.clear()
+            opened, self._opened = self._opened, []
         for connection in connections:
             connection.close() if graceful else connection.abort()
+        for connection in opened:  # broken ones too: an open channel can hang exit
+            connection.release()
         for request_id in list(self._pending):
             self._fail(request_id, RpcError(f"rrpc on {self.info.name} shut down"))
         self.server.stop(1.0 if graceful else 0)

@@ -118,7 +118,9 @@ def shutdown(graceful: bool = True, timeout: float = 60.0) -> None:
                         f"shutdown of {agent.info.name}: calls still pending after {timeout:g} s"
                     )
                 if rendezvous is not None:
-                    rendezvous.barrier("shutdown", timeout, gone=agent.all_unreachable)
+                    rendezvous.barrier(
+                        "shutdown", timeout, gone=agent.all_unreachable, suspects=agent.suspects
+                    )
         finally:
             agent.stop(graceful)
             for stop in agent_module.on_stop:
@@ -140,7 +142,7 @@ def _run_call(payload: tuple, caller: WorkerInfo) -> Any:
     func, args, kwargs = payload
     if is_async_execution(func):
         future = func(*args, **kwargs)
-        if not isinstance(future, torch.futures.Future):
+        if not isinstance(future, torch._C.Future):  # .then() returns torch._C.Future
             raise TypeError(
                 f"{_name(func)} is marked async_execution but returned "
                 f"{type(future).__name__}, not a torch.futures.Future"

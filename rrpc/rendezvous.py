@@ -160,7 +160,11 @@ class Rendezvous:
         return WorkerInfo(name, worker), address, advertised
 
     def barrier(
-        self, tag: str, timeout: float, gone: Callable[[list[int]], bool] | None = None
+        self,
+        tag: str,
+        timeout: float,
+        gone: Callable[[list[int]], bool] | None = None,
+        suspects: set[int] | frozenset[int] = frozenset(),
     ) -> None:
         """Wait until every rank arrives; or, with ``gone``, until every rank
         that has not arrived is one that ``gone`` confirms dead. (No-op with
@@ -173,8 +177,10 @@ class Rendezvous:
         while True:
             remaining = deadline - time.monotonic()
             try:
-                # Slices, to notice dead ranks; long ones, as c10d logs each that expires.
-                self.store.wait(keys, timedelta(seconds=max(0.01, min(5.0, remaining))))
+                # Slices, to notice dead ranks: short while one is suspected dead,
+                # long otherwise, as c10d logs every slice that expires.
+                slice_ = 0.2 if suspects else 5.0
+                self.store.wait(keys, timedelta(seconds=max(0.01, min(slice_, remaining))))
                 return
             except Exception:
                 missing = [rank for rank, key in enumerate(keys) if not self.store.check([key])]

@@ -107,7 +107,7 @@ class Connection:
         address: str,
         metadata: list[tuple[str, str]],
         on_frame: FrameHandler,
-        on_close: Callable[[BaseException | None], None],
+        on_close: Callable[[Connection, BaseException | None], None],
         packet_size: int,
         max_message_size: int,
         peer_name: str,
@@ -144,7 +144,7 @@ class Connection:
             error = PeerUnavailableError(f"stream from {self.peer_name} broke: {exc}")
             self._call.cancel()
         self.closed = True
-        self._on_close(error)
+        self._on_close(self, error)  # may run before __init__ returned: pass self
 
     def close(self, timeout: float = 5.0) -> None:
         """End the request side, let the peer finish the response side, close."""
@@ -153,6 +153,11 @@ class Connection:
         if self._thread.is_alive():
             self._call.cancel()
             self._thread.join(timeout)
+        self._channel.close()
+
+    def release(self) -> None:
+        """Free the channel of a stream that has ended (from any thread, its own included)."""
+        self._outbox.put(_CLOSE)
         self._channel.close()
 
     def abort(self) -> None:
