@@ -4,7 +4,7 @@ The API mirrors ``torch.distributed.rpc``: code written for it runs on rrpc
 by changing its imports. See README.md and DESIGN.md.
 """
 
-from rrpc import functions
+from rrpc import autograd, functions, optim
 from rrpc.api import (
     BackendType,
     get_worker_info,
@@ -25,12 +25,14 @@ from rrpc.messages import (
     WorkerInfo,
 )
 from rrpc.options import RpcBackendOptions, TensorPipeRpcBackendOptions
+from rrpc.rref import RRef, remote, rref_debug_info
 
 __all__ = [
     "AuthenticationError",
     "BackendType",
     "MessageTooLargeError",
     "PeerUnavailableError",
+    "RRef",
     "RemoteError",
     "RpcBackendOptions",
     "RpcError",
@@ -38,11 +40,15 @@ __all__ = [
     "SerializationError",
     "TensorPipeRpcBackendOptions",
     "WorkerInfo",
+    "autograd",
     "functions",
     "get_worker_info",
     "init_rpc",
+    "optim",
+    "remote",
     "rpc_async",
     "rpc_sync",
+    "rref_debug_info",
     "shutdown",
     "stats",
 ]

@@ -66,6 +66,7 @@ class _CodecState(threading.local):
     peer: Any = None  # the worker this thread is encoding for / decoding from
     tensor_hook: Callable[[torch.Tensor], torch.Tensor] | None = None
     grad_tensors: list[torch.Tensor] | None = None
+    undo: list[Callable[[], None]] | None = None  # see on_discard
 
 
 _state = _CodecState()
@@ -74,6 +75,16 @@ _state = _CodecState()
 def current_peer() -> Any:
     """The worker the message being pickled goes to (or being unpickled came from)."""
     return _state.peer
+
+
+def on_discard(undo: Callable[[], None]) -> None:
+    """From a reducer: call ``undo`` if the pickling now under way is thrown away.
+
+    A reducer with a side effect (pickling an RRef counts a fork) registers
+    its undo here; it runs if this attempt fails or is retried with cloudpickle,
+    so that only the pickling that is sent has effects."""
+    if _state.undo is not None:
+        _state.undo.append(undo)
 
 
 # -- Encoding ------------------------------------------------------------------
@@ -179,7 +190,15 @@ _scratch = _Scratch()
 
 def _dump_with(pickler: Any, out: io.BytesIO, buffers: list, obj: Any) -> tuple:
     pickler.grad_tensors = grad_tensors = []
-    pickler.dump(obj)
+    previous_undo, _state.undo = _state.undo, []
+    try:
+        pickler.dump(obj)
+    except BaseException:  # this attempt's output is thrown away (retry or failure)
+        for undo in reversed(_state.undo):
+            undo()
+        raise
+    finally:
+        _state.undo = previous_undo
     return out.getvalue(), list(buffers), grad_tensors
 
 

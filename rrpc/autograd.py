@@ -1,0 +1,483 @@
+"""Distributed autograd: ``context``, ``backward``, ``get_gradients``, as in torch.
+
+Theory of operation
+
+- Forward. ``with context() as ctx_id:`` sets the thread's context id, which
+  every RPC from the thread carries (the agent sets it on the callee while the
+  request runs, so nested calls and the reply carry it too). When a message in
+  a context holds tensors that require grad, the agent tells us
+  (``_Hooks.on_send``): the sender records them under the message's key. The
+  receiver gets each such tensor through ``_Hooks.tensor_hook`` and hands the
+  user the output of a ``RecvRpc`` node instead: a tensor that requires grad,
+  whose ``grad_fn`` knows the context, the message key, the tensor's index in
+  the message and the sender. Tensors that do not require grad cost nothing.
+- Backward. ``backward(ctx_id, roots)`` runs a *local pass* from the roots: one
+  ``torch.autograd.grad`` call whose inputs are the leaves and the recv nodes
+  reachable from the roots (found by walking ``grad_fn.next_functions``). Leaf
+  gradients accumulate in the context. The gradients that reached recv nodes go,
+  one AUTOGRAD_BACKWARD message per message key, to the senders; each sender
+  runs a local pass from the tensors of its send record, which may reach its
+  own recv nodes: further hops. A worker answers an AUTOGRAD_BACKWARD only when
+  its own hops have answered (a ``Deferred`` reply: no pool thread waits), so
+  when the root's messages are answered the whole distributed pass is done.
+  An error anywhere (an exception, a dead worker, a timeout, each bounded by
+  the RPC timeout) fails the reply chain back to the root, where ``backward``
+  raises it.
+- A recv node's gradient leaves through a *dummy* input: each recv node has a
+  leaf input of the received tensor's shape and dtype that needs one element of
+  memory (zero strides); its backward returns the incoming gradient for that
+  input, and the local pass asks ``torch.autograd.grad`` for the dummies'
+  gradients. No side channel, and in-place ops on the received tensor (allowed,
+  as in torch) change nothing.
+- Graphs are retained until the context ends (every local pass runs with
+  ``retain_graph=True``): a worker may run several passes over shared parts of
+  its graph (gradients arriving for several of its send records, or the same
+  one twice), and each pass adds its share, which sums to the right gradient
+  because backward is linear. Two ``backward`` calls in one context therefore
+  accumulate, as with ``retain_graph=True`` in torch; with
+  ``retain_graph=False`` torch would refuse the second call, rrpc runs it.
+  The cost: tensors saved for backward live until the block ends, not until
+  ``backward`` returns.
+- Release. Leaving the ``with`` block drops the context here and sends
+  AUTOGRAD_RELEASE to every participant, which drops it and forwards the
+  release to its own participants. It does not wait for the answers (as in
+  torch); ``_wait_releases()`` does, for tests.
+
+Differences from torch: a send record whose gradient never comes back does not
+make ``backward`` hang (torch's FAST mode waits for it); a worker without
+gradients for a context gives the optimizer no gradients instead of an error.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from rrpc import agent as agent_module
+from rrpc.agent import Agent, Deferred
+from rrpc.autograd_context import Context, ContextTable, MessageKey
+from rrpc.messages import AUTOGRAD_BACKWARD, AUTOGRAD_RELEASE, WorkerInfo, thread_state
+
+__all__ = ["backward", "context", "get_gradients", "is_available"]
+
+log = logging.getLogger("rrpc.autograd")
+
+_table: ContextTable | None = None
+_pending_releases: set[torch.futures.Future] = set()
+_pending_lock = threading.Lock()
+
+
+def _contexts() -> ContextTable:
+    table = _table
+    if table is None:
+        raise RuntimeError("distributed autograd needs rrpc: call rrpc.init_rpc() first")
+    return table
+
+
+# -- The public API ------------------------------------------------------------
+def is_available() -> bool:
+    """Always True: rrpc always has distributed autograd (as torch's ``is_available``)."""
+    return True
+
+
+class context:
+    """Context manager of a distributed autograd pass; ``__enter__`` returns its id.
+
+    Every RPC made from this thread inside the block carries the id, so that the
+    tensors it sends and receives are recorded for ``backward``. Leaving the block
+    frees the context's state on every worker that took part. Contexts on
+    different threads are independent; one thread has one at a time.
+
+    Example::
+
+        with rrpc.autograd.context() as context_id:
+            t1 = torch.rand((3, 3), requires_grad=True)
+            t2 = torch.rand((3, 3), requires_grad=True)
+            loss = rrpc.rpc_sync("worker1", torch.add, args=(t1, t2)).sum()
+            rrpc.autograd.backward(context_id, [loss])
+            grads = rrpc.autograd.get_gradients(context_id)  # {t1: ones, t2: ones}
+    """
+
+    def __enter__(self) -> int:
+        if thread_state.autograd_context_id:
+            raise RuntimeError(
+                "Already have an autograd context id for this thread "
+                f"({thread_state.autograd_context_id}): contexts do not nest"
+            )
+        self._context_id = _contexts().create().context_id
+        thread_state.autograd_context_id = self._context_id
+        return self._context_id
+
+    def __exit__(self, *exc_info: object) -> None:
+        thread_state.autograd_context_id = 0
+        _release(self._context_id)
+
+
+def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool = False) -> None:
+    """Run the distributed backward pass from scalar ``roots`` in ``context_id``.
+
+    The local graph runs from the roots; gradients that reach tensors received
+    by RPC go back to their senders, which continue there, across any number of
+    hops. Returns when the whole pass is done on every worker that took part;
+    the gradients of leaf tensors are then in ``get_gradients(context_id)`` on
+    each worker (never in ``.grad``). Raises the first error of any worker, or
+    ``rrpc.PeerUnavailableError`` / ``rrpc.RpcTimeoutError`` if one died or
+    did not answer within the RPC timeout.
+
+    Args:
+        context_id: the id ``context()`` returned.
+        roots: scalar tensors that require grad (typically one loss).
+        retain_graph: accepted for compatibility: graphs are kept until the
+            context ends, so calling ``backward`` twice in one context always
+            accumulates (torch needs ``retain_graph=True`` for that).
+
+    Example::
+
+        with rrpc.autograd.context() as context_id:
+            loss = model_rref.rpc_sync().forward(x).sum()
+            rrpc.autograd.backward(context_id, [loss])
+    """
+    if not isinstance(context_id, int) or isinstance(context_id, bool):
+        raise TypeError(f"context_id must be an int, not {type(context_id).__name__}")
+    if isinstance(roots, torch.Tensor) or not isinstance(roots, Sequence):
+        raise TypeError(f"roots must be a list of tensors, not {type(roots).__name__}")
+    roots = list(roots)
+    if not roots:
+        raise RuntimeError("No tensors provided for gradient computation.")
+    for index, root in enumerate(roots):
+        if not isinstance(root, torch.Tensor):
+            raise TypeError(f"roots[{index}] is a {type(root).__name__}, not a tensor")
+        if not root.requires_grad:
+            raise RuntimeError(f"requires_grad not set on roots[{index}]")
+        if root.numel() != 1:
+            raise RuntimeError(
+                f"roots[{index}] of shape {tuple(root.shape)} is not a scalar, "
+                "all roots need to be scalar"
+            )
+        if root.grad_fn is None:
+            raise RuntimeError(f"roots[{index}] does not have a valid gradient function")
+    context = _contexts().get(context_id)
+    agent = agent_module.current_agent()
+    hops = _local_pass(agent, context, roots, [torch.ones_like(root) for root in roots])
+    if hops:
+        _all_of(hops).wait()
+
+
+def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
+    """This worker's leaf gradients in ``context_id``: ``{tensor: gradient}``.
+
+    Example::
+
+        with rrpc.autograd.context() as context_id:
+            t = torch.rand(3, requires_grad=True)
+            loss = rrpc.rpc_sync("worker1", torch.mul, args=(t, 2)).sum()
+            rrpc.autograd.backward(context_id, [loss])
+            rrpc.autograd.get_gradients(context_id)[t]  # tensor([2., 2., 2.])
+    """
+    return _contexts().get(context_id).gradients_copy()
+
+
+def _is_valid_context(context_id: int) -> None:
+    """Raise if ``context_id`` is not alive on this worker (as torch's helper)."""
+    _contexts().get(context_id)
+
+
+def _gradients_if_any(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
+    """As ``get_gradients``, but empty where no gradient ever reached this worker."""
+    context = _contexts().find(context_id)
+    return {} if context is None else context.gradients_copy()
+
+
+def _debug_info() -> dict[str, int]:
+    """Counts of this worker's live autograd state; all zero when nothing leaks."""
+    info = _contexts().debug_info()
+    info["pending_releases"] = len(_pending_releases)
+    return info
+
+
+def _wait_releases(timeout: float) -> bool:
+    """Wait until the releases this worker started are done everywhere. False on timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with _pending_lock:
+            pending = list(_pending_releases)
+        if not pending:
+            return True
+        for future in pending:
+            if not agent_module._wait_future(future, deadline - time.monotonic()):
+                return False
+
+
+# -- Recv nodes and the local pass ---------------------------------------------
+class RecvRpc(torch.autograd.Function):
+    """The recv node of a tensor received in a context (torch's ``RecvRpcBackward``).
+
+    Its ``grad_fn`` carries ``context_id``, ``key`` (the message), ``index`` (the
+    tensor's place in the message) and ``peer`` (who sent it). ``dummy`` is the
+    leaf through which the local pass collects the node's gradient.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        dummy: torch.Tensor,
+        tensor: torch.Tensor,
+        context_id: int,
+        key: MessageKey,
+        index: int,
+        peer: WorkerInfo,
+    ) -> torch.Tensor:
+        ctx.context_id, ctx.key, ctx.index, ctx.peer = context_id, key, index, peer
+        # A new tensor over the same memory: neither the input returned as-is
+        # nor a view, either of which would forbid in-place ops on the result.
+        return tensor.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return grad, None, None, None, None, None
+
+
+_RecvNode = RecvRpc._backward_cls
+
+
+def _receive(context_id: int, key: MessageKey, index: int, peer: WorkerInfo, tensor: torch.Tensor):
+    dummy = torch.empty_strided(tensor.shape, (0,) * tensor.dim(), dtype=tensor.dtype)
+    with torch.enable_grad():  # decoding may run on a thread in no_grad mode
+        return RecvRpc.apply(dummy.requires_grad_(), tensor, context_id, key, index, peer)
+
+
+def _reachable(outputs: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[Any]]:
+    """The leaves and recv nodes a pass from ``outputs`` reaches, stopping at recv nodes."""
+    leaves: dict[int, torch.Tensor] = {}
+    recv_nodes: list[Any] = []
+    seen: set[Any] = set()
+    stack: list[Any] = []
+    for output in outputs:
+        if output.grad_fn is None:
+            leaves[id(output)] = output  # a leaf sent as is
+        else:
+            stack.append(output.grad_fn)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if isinstance(node, _RecvNode):
+            recv_nodes.append(node)
+        elif type(node).__name__ == "AccumulateGrad":
+            leaves[id(node.variable)] = node.variable
+        else:
+            stack.extend(next_node for next_node, _ in node.next_functions if next_node is not None)
+    return list(leaves.values()), recv_nodes
+
+
+def _local_pass(
+    agent: Agent, context: Context, outputs: list[torch.Tensor], grads: list[torch.Tensor]
+) -> list[torch.futures.Future]:
+    """Backpropagate ``grads`` from ``outputs`` through this worker's graph.
+
+    Leaf gradients accumulate in ``context``; the gradients that reached recv
+    nodes are sent to their senders. Returns the futures of those messages.
+    """
+    leaves, recv_nodes = _reachable(outputs)
+    dummies = [node.next_functions[0][0].variable for node in recv_nodes]
+    inputs = leaves + dummies
+    if not inputs:
+        return []
+    results = torch.autograd.grad(outputs, inputs, grads, retain_graph=True, allow_unused=True)
+    for leaf, grad in zip(leaves, results[: len(leaves)], strict=True):
+        if grad is not None:
+            context.accumulate(leaf, grad)
+    # One message per (context, message key): {tensor index: gradient}.
+    outgoing: dict[tuple[int, MessageKey], tuple[WorkerInfo, dict[int, torch.Tensor]]] = {}
+    for node, grad in zip(recv_nodes, results[len(leaves) :], strict=True):
+        if grad is not None:
+            peer, by_index = outgoing.setdefault((node.context_id, node.key), (node.peer, {}))
+            by_index[node.index] = grad
+    timeout = agent.options.rpc_timeout
+    return [
+        agent.send(
+            peer,
+            AUTOGRAD_BACKWARD,
+            (context_id, key, by_index),
+            timeout,
+            f"distributed backward pass (context {context_id})",
+        )
+        for (context_id, key), (peer, by_index) in outgoing.items()
+    ]
+
+
+def _all_of(futures: list[torch.futures.Future]) -> torch.futures.Future:
+    """A future done when all are, failing with the first failure as soon as it happens."""
+    combined: torch.futures.Future = torch.futures.Future()
+    lock = threading.Lock()
+    remaining = [len(futures)]
+
+    def done(future: torch.futures.Future) -> None:
+        error = None
+        try:
+            future.wait()
+        except BaseException as exc:
+            error = exc
+        with lock:
+            remaining[0] -= 1
+            if combined.done():
+                return
+            if error is None and remaining[0]:
+                return
+        if error is not None:
+            combined.set_exception(error)
+        else:
+            combined.set_result(None)
+
+    for future in futures:
+        future.add_done_callback(done)
+    return combined
+
+
+# -- Message handlers ----------------------------------------------------------
+def _on_backward(payload: tuple, caller: WorkerInfo) -> Any:
+    """Gradients for one of our send records: run the rest of the pass here."""
+    context_id, key, by_index = payload
+    context = _contexts().get(context_id)
+    sent = context.sent_tensors(key)
+    outputs = [sent[index] for index in by_index]
+    # Tensors travel on the CPU; a gradient goes back to its tensor's device.
+    grads = [
+        grad.to(output.device) for output, grad in zip(outputs, by_index.values(), strict=True)
+    ]
+    hops = _local_pass(agent_module.current_agent(), context, outputs, grads)
+    return Deferred(_all_of(hops)) if hops else None
+
+
+def _on_release(payload: tuple, caller: WorkerInfo) -> Any:
+    """A context ended: drop it and pass the release on to those not told yet."""
+    context_id, told = payload
+    futures = _release_here(context_id, told)
+    return Deferred(_settled(futures)) if futures else None
+
+
+def _release(context_id: int) -> None:
+    futures = _release_here(context_id, frozenset())
+    if not futures:
+        return
+    settled = _settled(futures)
+    with _pending_lock:
+        _pending_releases.add(settled)
+
+    def forget(_: torch.futures.Future) -> None:
+        with _pending_lock:
+            _pending_releases.discard(settled)
+
+    settled.add_done_callback(forget)
+
+
+def _release_here(context_id: int, told: frozenset[int]) -> list[torch.futures.Future]:
+    """Drop the context here; send its release to participants not in ``told``."""
+    table, agent = _table, agent_module._current
+    if table is None or agent is None:  # rrpc was shut down inside the block
+        return []
+    context = table.release(context_id)
+    if context is None:
+        return []
+    with context.lock:
+        targets = [peer for rank, peer in context.participants.items() if rank not in told]
+    # Everyone told by us, or before us, need not be told again by those we tell.
+    told = told | {peer.id for peer in targets} | {agent.info.id}
+    futures = []
+    for peer in targets:
+        if peer.id == agent.info.id:
+            continue
+        try:
+            futures.append(
+                agent.send(
+                    peer,
+                    AUTOGRAD_RELEASE,
+                    (context_id, told),
+                    agent.options.rpc_timeout,
+                    f"release of autograd context {context_id}",
+                )
+            )
+        except Exception as exc:  # shutting down: nothing left to free there
+            log.debug("rrpc: release of context %d to %s not sent: %s", context_id, peer.name, exc)
+    return futures
+
+
+def _settled(futures: list[torch.futures.Future]) -> torch.futures.Future:
+    """A future done, never failed, when all ``futures`` are done (releases are best effort)."""
+    combined: torch.futures.Future = torch.futures.Future()
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def done(future: torch.futures.Future) -> None:
+        try:
+            future.wait()
+        except BaseException as exc:
+            log.debug("rrpc: a context release failed: %s", exc)
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            combined.set_result(None)
+
+    for future in futures:
+        future.add_done_callback(done)
+    return combined
+
+
+# -- Wiring into the agent -----------------------------------------------------
+class _Hooks:
+    """What the agent calls for messages in a context (``agent.AutogradHooks``)."""
+
+    def __init__(self, table: ContextTable):
+        self.table = table
+
+    def on_send(
+        self, context_id: int, peer: WorkerInfo, key: MessageKey, tensors: list[torch.Tensor]
+    ) -> None:
+        context = self.table.get_or_create(context_id)
+        if context is not None:
+            context.record_send(key, peer, tensors)
+
+    def tensor_hook(
+        self, context_id: int, peer: WorkerInfo, key: MessageKey
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        index = 0
+
+        def receive(tensor: torch.Tensor) -> torch.Tensor:
+            nonlocal index
+            if index == 0:
+                context = self.table.get_or_create(context_id)
+                if context is None:  # a late message of a released context
+                    return tensor.requires_grad_()
+                context.record_recv(key, peer)
+            index += 1
+            return _receive(context_id, key, index - 1, peer, tensor)
+
+        return receive
+
+
+def _start(agent: Agent) -> None:
+    global _table
+    _table = ContextTable(agent.info.id)
+    agent.register(AUTOGRAD_BACKWARD, _on_backward)
+    agent.register(AUTOGRAD_RELEASE, _on_release)
+    agent.autograd_hooks = _Hooks(_table)
+
+
+def _stop() -> None:
+    global _table
+    if _table is not None:
+        _table.clear()
+    _table = None
+    with _pending_lock:
+        _pending_releases.clear()
+
+
+agent_module.on_start.append(_start)
+agent_module.on_stop.append(_stop)

@@ -1,0 +1,157 @@
+"""Distributed autograd bookkeeping: contexts, their send and recv records, who took part.
+
+No I/O and no autograd graph logic here (that is ``rrpc.autograd``): only the
+tables one worker keeps, so that a unit test can drive them with plain calls.
+
+Rules
+- A context is named by an id unique in the cluster: the creating worker's rank
+  in the top 16 bits, a per-process counter below (as torch: ``rank << 48 | n``).
+- The creator makes its context in ``context()``; every other worker makes it
+  lazily, the first time a tensor that requires grad is sent or received in it.
+  A message without such tensors leaves no state anywhere.
+- A *send record* (``sends[key]``) is what the sender keeps of a message: the
+  tensors that required grad, in pickling order. When the gradients of those
+  tensors come back, the pass continues from them. It keeps that part of the
+  graph alive until the context is released.
+- A *recv record* (``recvs[key]``) is what the receiver keeps: who sent the
+  message. The recv nodes themselves live in the autograd graph; each knows its
+  message key, the index of its tensor in the message and its peer.
+- ``participants`` are the workers this one exchanged such tensors with in the
+  context, in either direction. Releasing a context tells each of them, and each
+  tells its own: every worker that holds state for it is reached.
+- Once released, a context id is remembered (a bounded list): a late message in
+  it (an RPC left in flight when the ``with`` block ended) creates no state that
+  nobody would release. Ids this worker created are never re-created.
+- Gradients of leaves accumulate here (``gradients``), never in ``.grad``.
+
+Locks: the table's lock guards the id -> context map; each context's lock
+guards its records, which several threads may touch at once (the transport's
+receive threads decode replies, pool threads run backward passes).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import OrderedDict
+
+import torch
+
+from rrpc.messages import WorkerInfo
+
+# (caller rank, request id, is_reply): names one message cluster-wide; the
+# sender's send record and the receiver's recv nodes share it.
+MessageKey = tuple[int, int, bool]
+
+CONTEXT_ID_BITS = 48
+REMEMBERED_RELEASES = 65536  # released ids remembered, to drop late messages
+
+
+class Context:
+    """One worker's state for one distributed autograd context."""
+
+    def __init__(self, context_id: int):
+        self.context_id = context_id
+        self.lock = threading.Lock()
+        self.sends: dict[MessageKey, tuple[WorkerInfo, list[torch.Tensor]]] = {}
+        self.recvs: dict[MessageKey, WorkerInfo] = {}
+        self.participants: dict[int, WorkerInfo] = {}  # rank -> worker
+        # Leaf tensor -> its accumulated gradient. Tensors hash by identity.
+        self.gradients: dict[torch.Tensor, torch.Tensor] = {}
+
+    def record_send(self, key: MessageKey, peer: WorkerInfo, tensors: list[torch.Tensor]) -> None:
+        with self.lock:
+            self.sends[key] = (peer, tensors)
+            self.participants[peer.id] = peer
+
+    def record_recv(self, key: MessageKey, peer: WorkerInfo) -> None:
+        with self.lock:
+            self.recvs[key] = peer
+            self.participants[peer.id] = peer
+
+    def sent_tensors(self, key: MessageKey) -> list[torch.Tensor]:
+        with self.lock:
+            record = self.sends.get(key)
+        if record is None:
+            raise RuntimeError(
+                f"autograd context {self.context_id} has no send record for message {key} "
+                "(gradients arrived for a message this worker did not send in this context)"
+            )
+        return record[1]
+
+    def accumulate(self, leaf: torch.Tensor, grad: torch.Tensor) -> None:
+        # Out of place: a tensor handed out by get_gradients() never changes under its reader.
+        with self.lock:
+            previous = self.gradients.get(leaf)
+            self.gradients[leaf] = grad if previous is None else previous + grad
+
+    def gradients_copy(self) -> dict[torch.Tensor, torch.Tensor]:
+        with self.lock:
+            return dict(self.gradients)
+
+
+class ContextTable:
+    """Every context alive on this worker, by id."""
+
+    def __init__(self, rank: int):
+        if not 0 <= rank < 1 << (64 - CONTEXT_ID_BITS - 1):
+            raise ValueError(f"rank {rank} does not fit in an autograd context id")
+        self.rank = rank
+        self._lock = threading.Lock()
+        self._contexts: dict[int, Context] = {}
+        self._released: OrderedDict[int, None] = OrderedDict()
+        self._counter = itertools.count(1)  # 0 would make rank 0's first id "no context"
+
+    def create(self) -> Context:
+        context_id = (self.rank << CONTEXT_ID_BITS) | next(self._counter)
+        context = Context(context_id)
+        with self._lock:
+            self._contexts[context_id] = context
+        return context
+
+    def get(self, context_id: int) -> Context:
+        context = self._contexts.get(context_id)
+        if context is None:
+            raise RuntimeError(f"Could not find autograd context with id: {context_id}")
+        return context
+
+    def find(self, context_id: int) -> Context | None:
+        return self._contexts.get(context_id)
+
+    def get_or_create(self, context_id: int) -> Context | None:
+        """The context, made if new; None for one released (or ours and gone)."""
+        context = self._contexts.get(context_id)
+        if context is not None:
+            return context
+        with self._lock:
+            context = self._contexts.get(context_id)
+            if context is None:
+                if context_id >> CONTEXT_ID_BITS == self.rank or context_id in self._released:
+                    return None
+                context = self._contexts[context_id] = Context(context_id)
+            return context
+
+    def release(self, context_id: int) -> Context | None:
+        """Forget a context; return it (for its participants), or None if unknown."""
+        with self._lock:
+            context = self._contexts.pop(context_id, None)
+            if context_id >> CONTEXT_ID_BITS != self.rank:
+                self._released[context_id] = None
+                if len(self._released) > REMEMBERED_RELEASES:
+                    self._released.popitem(last=False)
+        return context
+
+    def clear(self) -> None:
+        with self._lock:
+            self._contexts.clear()
+            self._released.clear()
+
+    def debug_info(self) -> dict[str, int]:
+        with self._lock:
+            contexts = list(self._contexts.values())
+        return {
+            "contexts": len(contexts),
+            "send_records": sum(len(c.sends) for c in contexts),
+            "recv_records": sum(len(c.recvs) for c in contexts),
+            "gradients": sum(len(c.gradients) for c in contexts),
+        }

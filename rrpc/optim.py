@@ -1,0 +1,130 @@
+"""``DistributedOptimizer``: one local optimizer per parameter owner, stepped with
+the gradients of a distributed autograd context (``torch.distributed.optim``).
+
+Theory of operation
+- The constructor groups the parameter RRefs by owner and asks each owner, in
+  parallel, to build a ``_LocalOptimizer`` over its own parameters (the values
+  of those RRefs, not copies); each answers with an RRef to it. An optimizer
+  whose constructor raises makes the constructor raise, with that error.
+- ``step(context_id)`` asks every owner, in parallel, to step its local
+  optimizer with that worker's gradients in the context (``get_gradients``)
+  and waits for all of them; the first error is raised once all have answered.
+- Parameters may be shared by several trainers' optimizers (data-parallel
+  trainers over one model): on each worker one lock serialises "set ``.grad``,
+  step", so one step never runs with another's gradients. As in torch, steps
+  of different trainers interleave in any order.
+- ``.grad`` is only borrowed: each parameter's own ``.grad`` is restored after
+  the step, so the context's gradients are not kept alive by the parameters.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from rrpc import autograd
+from rrpc.api import rpc_async
+from rrpc.rref import RRef
+
+__all__ = ["DistributedOptimizer"]
+
+
+class _LocalOptimizer:
+    """On a parameter owner: ``optimizer_class`` over the parameters it owns."""
+
+    # One per worker: optimizers of several trainers may share parameters.
+    lock = threading.Lock()
+
+    def __init__(self, optimizer_class: type, param_rrefs: list[RRef], *args: Any, **kwargs: Any):
+        self.params = [rref.local_value() for rref in param_rrefs]
+        self.optimizer = optimizer_class(self.params, *args, **kwargs)
+
+    def step(self, context_id: int) -> None:
+        # A worker that got no gradient in this context steps with none (torch raises).
+        gradients = autograd._gradients_if_any(context_id)
+        with _LocalOptimizer.lock:
+            own = [param.grad for param in self.params]
+            for param in self.params:
+                param.grad = gradients.get(param)
+            try:
+                self.optimizer.step()
+            finally:
+                for param, grad in zip(self.params, own, strict=True):
+                    param.grad = grad
+
+
+def _new_local_optimizer(
+    optimizer_class: type, param_rrefs: list[RRef], *args: Any, **kwargs: Any
+) -> RRef:
+    return RRef(_LocalOptimizer(optimizer_class, param_rrefs, *args, **kwargs))
+
+
+def _local_optimizer_step(optimizer_rref: RRef, context_id: int) -> None:
+    optimizer_rref.local_value().step(context_id)
+
+
+def _wait_all(futures: list[torch.futures.Future]) -> list[Any]:
+    """Every future's value; raises the first error once all are done."""
+    results, error = [], None
+    for future in futures:
+        try:
+            results.append(future.wait())
+        except Exception as exc:
+            error = error or exc
+    if error is not None:
+        raise error
+    return results
+
+
+class DistributedOptimizer:
+    """Optimise parameters spread over workers with one local optimizer per owner.
+
+    Args:
+        optimizer_class: a ``torch.optim.Optimizer`` class (``SGD``, ``Adam``, ...)
+            built on each worker that owns some of the parameters.
+        params_rref: RRefs to the parameters (local or remote), e.g. from
+            ``rrpc.remote`` or a module's ``parameter_rrefs()``-style helper.
+        *args, **kwargs: passed to ``optimizer_class`` on each worker.
+
+    ``step(context_id)`` applies the gradients that distributed autograd
+    computed in that context (never ``.grad``). Concurrent steps from several
+    trainers are serialised on each worker; as in torch, their order is not.
+
+    Example::
+
+        params = [rrpc.remote("worker1", make_weight), rrpc.remote("worker2", make_weight)]
+        optimizer = rrpc.optim.DistributedOptimizer(torch.optim.SGD, params, lr=0.05)
+        with rrpc.autograd.context() as context_id:
+            loss = forward(x).sum()
+            rrpc.autograd.backward(context_id, [loss])
+            optimizer.step(context_id)
+    """
+
+    def __init__(self, optimizer_class: type, params_rref: list[RRef], *args: Any, **kwargs: Any):
+        by_owner: dict[Any, list[RRef]] = defaultdict(list)
+        for rref in params_rref:
+            by_owner[rref.owner()].append(rref)
+        self.remote_optimizers: list[RRef] = _wait_all(
+            [
+                rpc_async(
+                    owner,
+                    _new_local_optimizer,
+                    args=(optimizer_class, rrefs, *args),
+                    kwargs=kwargs,
+                )
+                for owner, rrefs in by_owner.items()
+            ]
+        )
+
+    def step(self, context_id: int) -> None:
+        """Step every owner's optimizer with its gradients in ``context_id``; wait for all."""
+        autograd._is_valid_context(context_id)
+        _wait_all(
+            [
+                rpc_async(optimizer.owner(), _local_optimizer_step, args=(optimizer, context_id))
+                for optimizer in self.remote_optimizers
+            ]
+        )

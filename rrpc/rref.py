@@ -1,0 +1,867 @@
+"""Remote references: ``remote()``, ``RRef``, and the messages of the RRef protocol.
+
+The decisions (who counts which fork, when a value is freed, what to send)
+are in ``rref_protocol.py``; this file drives them: it turns pickling,
+unpickling, garbage collection and replies into protocol events, sends the
+messages the tables ask for, and serves the protocol's message kinds.
+
+Rules:
+
+- One ``_Context`` per RPC session (``init_rpc`` .. ``shutdown``). Its lock
+  guards both tables; nothing is sent and no value is freed while holding it
+  (a reply callback may run inline in ``agent.send``; a value's ``__del__`` may
+  do anything).
+- ``RRef.__del__`` only puts an event on a ``SimpleQueue`` (safe from any
+  thread, even inside a garbage collection that interrupts code holding a lock).
+  One sender thread per session turns those drops into protocol events and
+  sends every protocol message (FORK, ACCEPT, DELETE); replies come back on the
+  agent's threads and feed the tables again.
+- Protocol messages have no timeout: the protocol is only correct if each is
+  answered. A dead peer fails them at once (the agent notices), and a graceful
+  shutdown waits for them (``_Context.drain``).
+- Pickling an RRef is a fork; it happens only inside an rrpc message, where
+  ``codec.current_peer()`` names the destination (or, unpickling, the sender).
+- No error is raised out of a torch Future here (``wait()``/``value()`` that
+  raise): torch's raise puts the Future into the error's traceback, and the
+  Future holds the error from C++, invisible to the garbage collector, so the
+  cycle never goes and keeps every frame of the raising stack alive (an RRef
+  held by any of them would never be deleted). Futures are read with
+  ``_outcome`` (drops that traceback); a value's error is kept as a ``_Failed``
+  result, never with ``set_exception``, and raised as a copy (``_result``).
+
+Values on the owner live in the owner ``RRef`` object (``_future``: a
+``torch.futures.Future`` of the value, pending while ``remote()``'s function
+runs). The owner table holds that object while users refer to it, so an RRef
+that comes back to its owner unpickles as the very same object.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import gc
+import itertools
+import logging
+import math
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+import torch
+
+from rrpc import agent as agent_module
+from rrpc import codec
+from rrpc.agent import Agent, Deferred, current_agent
+from rrpc.functions import async_execution, is_async_execution
+from rrpc.messages import (
+    CALL,
+    RREF_ACCEPT,
+    RREF_CREATE,
+    RREF_CREATE_FAILED,
+    RREF_DELETE,
+    RREF_FETCH,
+    RREF_FORK,
+    PeerUnavailableError,
+    RpcError,
+    RpcTimeoutError,
+    WorkerInfo,
+    kind_name,
+)
+from rrpc.options import UNSET_RPC_TIMEOUT
+from rrpc.rref_protocol import (
+    UNCONFIRMED,
+    ForkId,
+    OwnerTable,
+    ProtocolError,
+    RRefId,
+    Send,
+    UserTable,
+    format_id,
+)
+
+log = logging.getLogger("rrpc")
+
+T = TypeVar("T")
+
+_DROP, _SEND, _FLUSH = "drop", "send", "flush"
+
+
+class _Context:
+    """The RRef state of one RPC session on this worker."""
+
+    def __init__(self, agent: Agent):
+        self.agent = agent
+        self.rank = agent.info.id
+        self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)  # notified when a message is answered
+        self.owners = OwnerTable(self.rank, self._placeholder)
+        self.users = UserTable(self.rank)
+        # Protocol messages sent and not answered yet (FORK is counted as an
+        # unconfirmed fork in the user table instead).
+        self.in_flight = {RREF_ACCEPT: 0, RREF_DELETE: 0, RREF_CREATE_FAILED: 0}
+        self._ids = itertools.count(1)
+        self.events: queue.SimpleQueue = queue.SimpleQueue()
+        self.running = True
+        self._sender = threading.Thread(
+            target=self._run_sender, name=f"rrpc-rref-{agent.info.name}", daemon=True
+        )
+        self._sender.start()
+
+    def new_id(self) -> tuple[int, int]:
+        return (self.rank, next(self._ids))  # next() on a count is atomic under the GIL
+
+    def _placeholder(self, rref_id: RRefId) -> RRef:
+        return RRef._make(self, rref_id, None, self.agent.info, torch.futures.Future())
+
+    # -- Sending -----------------------------------------------------------------
+    def post(self, sends: list[Send]) -> None:
+        if sends:
+            self.events.put((_SEND, sends))
+
+    def _run_sender(self) -> None:
+        while (event := self.events.get()) is not None:
+            what, item = event
+            try:
+                if what == _DROP:
+                    with self.lock:
+                        sends = self.users.dropped(item)
+                    self._send_all(sends)
+                elif what == _SEND:
+                    self._send_all(item)
+                else:  # _FLUSH: everything queued before it is done
+                    item.set()
+            except Exception:
+                log.exception("rrpc: RRef protocol event %s %s failed", what, item)
+
+    def _send_all(self, sends: list[Send]) -> None:
+        for send in sends:
+            if send.kind in self.in_flight:
+                with self.lock:
+                    self.in_flight[send.kind] += 1
+            try:
+                peer = self.agent.worker_info(send.to)
+                what = f"RRef message {kind_name(send.kind)}"
+                future = self.agent.send(peer, send.kind, send.payload, 0, what)
+            except BaseException as exc:
+                self._answered(send, exc)
+                continue
+            future.add_done_callback(functools.partial(self._on_reply, send))
+
+    def _on_reply(self, send: Send, future: torch.futures.Future) -> None:
+        self._answered(send, _outcome(future)[1])
+
+    def _answered(self, send: Send, error: BaseException | None) -> None:
+        if not self.running:
+            return  # the session is over and its tables are gone
+        if error is not None and not isinstance(error, PeerUnavailableError):
+            log.warning("rrpc: %r failed: %s", send, error)
+        if send.kind == RREF_FORK:
+            self._confirmed(send.payload[1], error)
+            return
+        with self.lock:
+            self.in_flight[send.kind] -= 1
+            self.changed.notify_all()
+
+    def _confirmed(self, fork_id: ForkId, error: BaseException | None) -> list[Send]:
+        """The owner answered the CREATE or FORK of ``fork_id``; send what follows."""
+        try:
+            with self.lock:
+                sends = self.users.confirmed(fork_id, counted=error is None)
+                self.changed.notify_all()
+        except ProtocolError:
+            log.exception("rrpc: confirmation of fork %s", format_id(fork_id))
+            return []
+        self.post(sends)
+        return sends
+
+    # -- remote() confirmations --------------------------------------------------
+    def on_created(self, rref_id: RRefId, fork_id: ForkId, owner: int, future) -> None:
+        """The owner answered our CREATE: the fork is counted, or it never will be."""
+        if not self.running:
+            return
+        error = _outcome(future)[1]
+        self._confirmed(fork_id, error)
+        if error is not None and not isinstance(error, PeerUnavailableError):
+            self.post([Send(RREF_CREATE_FAILED, owner, (rref_id,))])
+
+    # -- Serving (the owner's side) ----------------------------------------------
+    def serve_create(self, payload: tuple, caller: WorkerInfo) -> Any:
+        rref_id, fork_id, func, args, kwargs = payload
+        with self.lock:
+            holder = self.owners.create(rref_id, fork_id)
+        # Counted; the reply (the user's confirmation) goes once the value is set.
+        return _evaluate_into(holder._future, func, args, kwargs)
+
+    def serve_fetch(self, payload: tuple, caller: WorkerInfo) -> Any:
+        (rref_id,) = payload
+        with self.lock:
+            holder = self.owners.fetch(rref_id)
+        value = holder._future
+        if value.done():
+            return _result(value)
+        # Not created yet: reply when it is. An error then travels as a _Failed
+        # result (see the rules), which the user's _result raises.
+        reply: torch.futures.Future = torch.futures.Future()
+        value.add_done_callback(functools.partial(_forward, reply))
+        return Deferred(reply)
+
+    def serve_fork(self, payload: tuple, caller: WorkerInfo) -> None:
+        rref_id, fork_id = payload
+        with self.lock:
+            self.owners.fork_request(rref_id, fork_id)
+
+    def serve_accept(self, payload: tuple, caller: WorkerInfo) -> None:
+        (child_id,) = payload
+        with self.lock:
+            sends = self.users.child_accepted(child_id)
+        self.post(sends)
+
+    def serve_delete(self, payload: tuple, caller: WorkerInfo) -> None:
+        rref_id, fork_id = payload
+        with self.lock:
+            released = self.owners.delete(rref_id, fork_id)
+        del released  # the value may be freed here, outside the lock
+
+    def serve_create_failed(self, payload: tuple, caller: WorkerInfo) -> None:
+        (rref_id,) = payload
+        with self.lock:
+            holder = self.owners.creation_failed(rref_id)
+        if holder is not None and not holder._future.done():
+            error = RpcError(
+                f"remote() creating RRef {format_id(rref_id)} on {self.agent.info.name} "
+                f"failed on {caller.name} before it ran (see the error remote() got there)"
+            )
+            holder._future.set_result(_Failed(error))
+
+    # -- Shutdown ----------------------------------------------------------------
+    def pending(self) -> dict[str, int]:
+        counts = self.users.counts()
+        pending = {
+            "pending confirmations": counts["num_pending_confirmations"],
+            "pending forks": counts["num_pending_forks"],
+            "pending children": counts["num_pending_children"],
+        }
+        pending.update({f"{kind_name(k)} in flight": n for k, n in self.in_flight.items()})
+        return {name: n for name, n in pending.items() if n}
+
+    def drain(self, timeout: float) -> None:
+        """Wait until every confirmation, child and protocol message is answered."""
+        gc.collect()  # RRefs in reference cycles: drop them now, not after shutdown
+        deadline = time.monotonic() + timeout
+        while True:
+            flushed = threading.Event()
+            self.events.put((_FLUSH, flushed))
+            flushed.wait(max(0.0, deadline - time.monotonic()))
+            with self.lock:
+                pending = self.pending()
+                if not pending and flushed.is_set():
+                    return
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                # Answers notify; the poll covers drops queued by __del__ meanwhile.
+                self.changed.wait(min(remaining, 0.05))
+        raise RpcError(
+            f"shutdown of {self.agent.info.name}: RRef protocol still waiting after "
+            f"{timeout:g} s: {pending or 'queued events'}"
+        )
+
+    def stop(self) -> None:
+        self.running = False
+        self.events.put(None)
+        if self._sender is not threading.current_thread():
+            self._sender.join(5.0)
+        with self.lock:
+            released = list(self.owners.entries.values())
+            self.owners.entries.clear()
+            self.users.forks.clear()
+            self.users.pending_children.clear()
+        del released
+
+
+_ctx: _Context | None = None
+
+
+def _context() -> _Context:
+    ctx = _ctx
+    if ctx is None:
+        current_agent()  # raises "RPC has not been initialized"
+        raise RpcError("RRefs are not available: rrpc.rref was not started with this agent")
+    return ctx
+
+
+def _on_start(agent: Agent) -> None:
+    global _ctx
+    if _ctx is not None:
+        _ctx.stop()
+    ctx = _ctx = _Context(agent)
+    agent.register(RREF_CREATE, ctx.serve_create)
+    agent.register(RREF_FETCH, ctx.serve_fetch)
+    agent.register(RREF_FORK, ctx.serve_fork)
+    agent.register(RREF_ACCEPT, ctx.serve_accept)
+    agent.register(RREF_DELETE, ctx.serve_delete)
+    agent.register(RREF_CREATE_FAILED, ctx.serve_create_failed)
+
+
+def _on_drain(timeout: float) -> None:
+    if _ctx is not None:
+        _ctx.drain(timeout)
+
+
+def _on_stop() -> None:
+    global _ctx
+    ctx, _ctx = _ctx, None
+    if ctx is not None:
+        ctx.stop()
+
+
+agent_module.on_start.append(_on_start)
+agent_module.on_drain.append(_on_drain)
+agent_module.on_stop.append(_on_stop)
+
+
+# -- Helpers ---------------------------------------------------------------------
+def _resolve_timeout(agent: Agent, timeout: float) -> float:
+    if timeout == UNSET_RPC_TIMEOUT:
+        return agent.options.rpc_timeout
+    if timeout < 0:
+        raise ValueError(f"timeout must be >= 0 (0: none) or -1 (default), got {timeout}")
+    return timeout
+
+
+def _name(func: Any) -> str:
+    return getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+
+
+class _Failed:
+    """The value of an RRef whose function raised: ``error``, without its frames."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+    def __reduce__(self) -> tuple:
+        return _Failed, (self.error,)
+
+
+def _kept(error: BaseException) -> _Failed:
+    """Keep ``error`` as a value: its traceback becomes a note, its frames go."""
+    if error.__traceback__ is not None and hasattr(error, "add_note"):  # Python >= 3.11
+        text = "".join(traceback.format_tb(error.__traceback__))
+        error.add_note(f"Traceback of the function behind the RRef:\n{text.rstrip()}")
+    return _Failed(error.with_traceback(None))
+
+
+def _outcome(future: torch.futures.Future) -> tuple[Any, BaseException | None]:
+    """(value, None) or (None, error) of a done future; see the rules on why."""
+    try:
+        return future.value(), None
+    except BaseException as exc:
+        exc.__traceback__ = None  # the frames of torch's raise, which hold the future
+        return None, exc
+
+
+def _copy_error(error: BaseException) -> BaseException:
+    """A fresh copy to raise, so that the kept one never gets a traceback."""
+    kind = type(error)
+    try:
+        clone = copy.copy(error)  # rebuilds from args: keeps C fields (OSError.errno)
+    except Exception:
+        try:  # an __init__ that does not take its own args back
+            clone = kind.__new__(kind)
+            clone.args = error.args
+            clone.__dict__.update(error.__dict__)
+        except Exception:
+            return error
+    notes = error.__dict__.get("__notes__")
+    if notes is not None:
+        clone.__dict__["__notes__"] = list(notes)  # add_note on the copy must not reach the kept
+    clone.__cause__ = error.__cause__
+    return clone
+
+
+def _result(future: torch.futures.Future) -> Any:
+    """``future.wait()`` for a done future, raising errors (and _Failed values) as copies."""
+    value, error = _outcome(future)
+    del future  # not in the frame that the raise below puts into the traceback
+    if isinstance(value, _Failed):
+        error = value.error
+    if error is not None:
+        raise _copy_error(error)
+    return value
+
+
+def _complete(target: torch.futures.Future, source: torch.futures.Future) -> None:
+    """Set value future ``target`` from a call's future ``source``."""
+    value, error = _outcome(source)
+    target.set_result(value if error is None else _Failed(error))
+
+
+def _forward(reply: torch.futures.Future, value: torch.futures.Future) -> None:
+    reply.set_result(value.wait())  # a value future never holds an exception
+
+
+def _evaluate_into(
+    future: torch.futures.Future, func: Callable, args: tuple, kwargs: dict
+) -> Deferred | None:
+    """Run ``func`` into ``future`` (an error is kept there, for to_here to raise).
+
+    Returns None when ``future`` is set, or a Deferred that completes once an
+    ``async_execution`` function's future has set it."""
+    try:
+        result = func(*args, **kwargs)
+    except BaseException as exc:
+        future.set_result(_kept(exc))
+        return None
+    if not is_async_execution(func):
+        future.set_result(result)
+        return None
+    if not isinstance(result, torch.futures.Future):
+        error = TypeError(
+            f"{_name(func)} is marked async_execution but returned "
+            f"{type(result).__name__}, not a torch.futures.Future"
+        )
+        future.set_result(_Failed(error))
+        return None
+    set_: torch.futures.Future = torch.futures.Future()
+
+    def finish(done: torch.futures.Future) -> None:
+        _complete(future, done)
+        set_.set_result(None)
+
+    result.add_done_callback(finish)
+    return Deferred(set_)
+
+
+def _done(future: torch.futures.Future) -> torch.futures.Future:
+    """Wait for ``future`` without reading it (reading is _result's job)."""
+    if not future.done():
+        event = threading.Event()
+        future.add_done_callback(lambda _: event.set())
+        event.wait()
+    return future
+
+
+def _wait(future: torch.futures.Future, timeout: float, what: str) -> Any:
+    """``_result(future)`` once done, within ``timeout`` (0: none) or RpcTimeoutError."""
+    if not future.done():
+        event = threading.Event()
+        future.add_done_callback(lambda _: event.set())
+        if not event.wait(timeout or None):
+            raise RpcTimeoutError(f"{what} timed out after {timeout:g} s")
+    return _result(future)
+
+
+# -- The public API --------------------------------------------------------------
+class RRef(Generic[T]):
+    """A reference to a value that lives on one worker, its owner.
+
+    ``RRef(value)`` makes a local RRef owned by this worker; ``rrpc.remote()``
+    returns one whose value is created on another worker. RRefs can be passed
+    to any worker as (part of) arguments and return values of RPCs; the owner
+    keeps the value while any worker holds a reference, and frees it when the
+    last one is gone. Mirrors ``torch.distributed.rpc.RRef``.
+
+    Example::
+
+        rref = rrpc.remote("worker1", torch.add, args=(torch.ones(2), 1))
+        rref.to_here()                                   # tensor([2., 2.])
+        rref.owner_name()                                # 'worker1'
+        box = rrpc.remote("worker1", MyModule)
+        box.rpc_sync().forward(torch.ones(3))            # runs on worker1
+    """
+
+    __slots__ = ("_ctx", "_id", "_fork", "_owner", "_future", "_creation", "_deadline", "_type")
+
+    _ctx: _Context | None
+    _id: RRefId
+    _fork: ForkId | None  # None on the owner
+    _owner: WorkerInfo
+    _future: torch.futures.Future | None  # the value, on the owner
+    _creation: torch.futures.Future | None  # remote(): answered when the owner counted it
+    _deadline: float  # remote()'s timeout for that answer
+    _type: type | None
+
+    def __init__(self, value: T, type_hint: type | None = None) -> None:
+        """Wrap ``value`` in an RRef owned by this worker (needs ``init_rpc``)."""
+        ctx = _context()
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_result(value)
+        self._init(ctx, ctx.new_id(), None, ctx.agent.info, future)
+        self._type = type_hint
+
+    def __class_getitem__(cls, item: Any) -> Any:  # RRef[torch.nn.Module] in type hints
+        return cls
+
+    def _init(self, ctx, rref_id, fork_id, owner, future) -> None:
+        self._ctx = ctx
+        self._id = rref_id
+        self._fork = fork_id
+        self._owner = owner
+        self._future = future
+        self._creation = None
+        self._deadline = math.inf
+        self._type = None
+
+    @classmethod
+    def _make(cls, ctx, rref_id, fork_id, owner, future) -> RRef:
+        rref = cls.__new__(cls)
+        rref._init(ctx, rref_id, fork_id, owner, future)
+        return rref
+
+    def __del__(self) -> None:
+        # A user RRef is gone: tell the sender thread. Nothing else is safe here.
+        try:
+            ctx = self._ctx
+            if self._fork is not None and ctx is not None and ctx.running:
+                ctx.events.put((_DROP, self._fork))
+        except Exception:
+            pass  # interpreter shutdown, or a half-built object
+
+    def _live_context(self) -> _Context:
+        ctx = self._ctx
+        if ctx is None or not ctx.running or ctx is not _ctx:
+            raise RpcError(
+                f"{self!r} belongs to an RPC session that has been shut down; "
+                "RRefs cannot be used after rrpc.shutdown()"
+            )
+        return ctx
+
+    def _check_created(self) -> None:
+        """Raise remote()'s error if the owner refused the CREATE or did not answer in time."""
+        creation = self._creation
+        if creation is None or self._fork is None:
+            return
+        if creation.done():
+            error = _outcome(creation)[1]
+            if error is not None:
+                raise _copy_error(error)
+        elif time.monotonic() > self._deadline:
+            raise RpcTimeoutError(
+                f"remote() creating {self!r} on {self._owner.name} was not confirmed by its "
+                "owner within its timeout"
+            )
+
+    def _wait_for_creation_or(self, fetch: torch.futures.Future) -> None:
+        """Wait for ``fetch``, but raise remote()'s timeout if the owner does not
+        confirm the RRef by then (the fetch alone would wait for the value)."""
+        assert self._creation is not None
+        either = threading.Event()
+        fetch.add_done_callback(lambda _: either.set())
+        self._creation.add_done_callback(lambda _: either.set())
+        if not either.wait(max(0.0, self._deadline - time.monotonic())):
+            self._check_created()
+            either.wait()
+        if self._creation.done():
+            self._check_created()
+
+    # -- Identity ----------------------------------------------------------------
+    def owner(self) -> WorkerInfo:
+        """The ``WorkerInfo`` of the worker that holds the value."""
+        return self._owner
+
+    def owner_name(self) -> str:
+        """The name of the worker that holds the value."""
+        return self._owner.name
+
+    def is_owner(self) -> bool:
+        """Whether this worker holds the value."""
+        return self._fork is None
+
+    def confirmed_by_owner(self) -> bool:
+        """Whether the owner knows of this reference (always True on the owner).
+
+        Until then, tensors passed to ``remote()`` must stay unchanged."""
+        if self._fork is None:
+            return True
+        ctx = self._ctx
+        if ctx is None or ctx is not _ctx:
+            return False
+        with ctx.lock:
+            state = ctx.users.state(self._fork)
+        return state is not None and state != UNCONFIRMED
+
+    # -- Value -------------------------------------------------------------------
+    def local_value(self) -> T:
+        """The value itself; only on the owner. Waits while ``remote()`` creates it."""
+        if self._fork is not None:
+            raise RuntimeError(
+                f"local_value() of {self!r}: this worker ({self._live_context().agent.info.name}) "
+                f"holds a user RRef; the value lives on {self._owner.name}. Call local_value() "
+                "there, or to_here() for a copy"
+            )
+        assert self._future is not None
+        return _wait(self._future, 0, "local_value()")
+
+    def to_here(self, timeout: float = UNSET_RPC_TIMEOUT) -> T:
+        """A copy of the value, fetched from the owner (on the owner: the value itself).
+
+        Raises the error of the function behind ``remote()``, with its own type.
+        ``timeout`` in seconds; -1: the default ``rpc_timeout``, 0: none.
+        """
+        ctx = self._live_context()
+        timeout = _resolve_timeout(ctx.agent, timeout)
+        if self._fork is None:
+            assert self._future is not None
+            return _wait(self._future, timeout, f"to_here() of {self!r}")
+        self._check_created()
+        what = f"to_here() of {self!r}"
+        fetch = ctx.agent.send(self._owner, RREF_FETCH, (self._id,), timeout, what)
+        if self._deadline != math.inf and not self._creation.done():  # type: ignore[union-attr]
+            self._wait_for_creation_or(fetch)
+        return _result(_done(fetch))
+
+    def _get_future(self) -> torch.futures.Future:
+        """The future of this RRef's creation on its owner (remote()); for
+        ``RRef(value)``, a completed one."""
+        if self._creation is not None:
+            return self._creation
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_result(None)
+        return future
+
+    def _get_type(self, timeout: float = UNSET_RPC_TIMEOUT, blocking: bool = True) -> Any:
+        """The type of the value (asked of the owner once, then cached); with
+        ``blocking=False``, a Future of it."""
+        if self._type is None:
+            if self._fork is None:
+                self._type = type(self.local_value())
+            else:
+                self._type = _result(_done(_call_on_owner(self, _type_of, (self,), timeout)))
+        if blocking:
+            return self._type
+        future: torch.futures.Future = torch.futures.Future()
+        future.set_result(self._type)
+        return future
+
+    # -- Proxies -----------------------------------------------------------------
+    def rpc_sync(self, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
+        """A proxy whose method calls run on the owner and return their result:
+        ``rref.rpc_sync().method(*args, **kwargs)``."""
+        return _Proxy(self, "rpc_sync", timeout)
+
+    def rpc_async(self, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
+        """A proxy whose method calls run on the owner and return a Future:
+        ``rref.rpc_async().method(*args, **kwargs).wait()``."""
+        return _Proxy(self, "rpc_async", timeout)
+
+    def remote(self, timeout: float = UNSET_RPC_TIMEOUT) -> Any:
+        """A proxy whose method calls run on the owner and return an RRef to
+        the result, owned there: ``rref.remote().method(*args, **kwargs)``."""
+        return _Proxy(self, "remote", timeout)
+
+    # -- Pickling (forks) --------------------------------------------------------
+    def __reduce__(self) -> tuple:
+        peer = codec.current_peer()
+        if peer is None:
+            raise RuntimeError(
+                f"{self!r} can only be pickled by rrpc, as an argument or a result of an RPC "
+                "(pickling it elsewhere would create a reference its owner cannot count)"
+            )
+        ctx = self._live_context()
+        self._check_created()  # as torch: an RRef whose creation failed is not passed on
+        child = ctx.new_id()
+        with ctx.lock:
+            if self._fork is None:
+                ctx.owners.fork_to_user(self._id, child, self)
+            else:
+                ctx.users.fork_child(self._fork, child)
+        codec.on_discard(functools.partial(_undo_fork, ctx, self._id, self._fork, child))
+        return _rebuild, (self._id, self._owner.id, child)
+
+    def __repr__(self) -> str:
+        if self._fork is None:
+            return f"OwnerRRef(rref_id={format_id(self._id)}, owner={self._owner.name})"
+        return (
+            f"UserRRef(rref_id={format_id(self._id)}, fork_id={format_id(self._fork)}, "
+            f"owner={self._owner.name})"
+        )
+
+
+def _undo_fork(ctx: _Context, rref_id: RRefId, fork_id: ForkId | None, child: ForkId) -> None:
+    """The message a fork was pickled into is not sent after all."""
+    released = None
+    sends: list[Send] = []
+    try:
+        with ctx.lock:
+            if fork_id is None:
+                released = ctx.owners.delete(rref_id, child)
+            else:
+                sends = ctx.users.child_accepted(child)
+    except ProtocolError:
+        log.exception("rrpc: undoing fork %s of RRef %s", format_id(child), format_id(rref_id))
+    del released
+    ctx.post(sends)
+
+
+def _rebuild(rref_id: RRefId, owner_rank: int, fork_id: ForkId) -> RRef:
+    ctx = _ctx
+    sender = codec.current_peer()
+    if ctx is None or sender is None:
+        raise RpcError("an RRef can only be unpickled by rrpc, from a message of a running session")
+    if owner_rank == ctx.rank:
+        with ctx.lock:
+            holder, sends = ctx.owners.receive(rref_id, fork_id, sender.id)
+        ctx.post(sends)
+        return holder
+    rref = RRef._make(ctx, rref_id, fork_id, ctx.agent.worker_info(owner_rank), None)
+    with ctx.lock:
+        sends = ctx.users.received(rref_id, fork_id, owner_rank, sender.id)
+    ctx.post(sends)
+    return rref
+
+
+class _Proxy:
+    """``rref.rpc_sync()`` / ``.rpc_async()`` / ``.remote()``: attribute access
+    yields a function that runs that method of the value on its owner."""
+
+    __slots__ = ("_rref", "_mode", "_timeout")
+
+    def __init__(self, rref: RRef, mode: str, timeout: float):
+        self._rref = rref
+        self._mode = mode
+        self._timeout = timeout
+
+    def __getattr__(self, method: str) -> Callable[..., Any]:
+        return functools.partial(_invoke, self._rref, self._mode, method, self._timeout)
+
+    def __repr__(self) -> str:
+        return f"<{self._mode}() proxy of {self._rref!r}>"
+
+
+def _invoke(rref: RRef, mode: str, method: str, timeout: float, *args: Any, **kwargs: Any) -> Any:
+    rref._check_created()
+    call_args = (rref, method, args, kwargs)
+    if mode == "remote":
+        return remote(rref._owner, _invoke_on_owner, call_args, timeout=timeout)
+    future = _call_on_owner(rref, _invoke_on_owner, call_args, timeout, method)
+    if mode == "rpc_async":
+        return future
+    return _result(_done(future))  # (not held in this frame: see _result)
+
+
+def _call_on_owner(
+    rref: RRef, func: Callable, args: tuple, timeout: float, method: str = ""
+) -> torch.futures.Future:
+    agent = rref._live_context().agent
+    what = f"{method or _name(func)}() on the value of {rref!r}"
+    return agent.send(rref._owner, CALL, (func, args, {}), _resolve_timeout(agent, timeout), what)
+
+
+@async_execution
+def _invoke_on_owner(rref: RRef, method: str, args: tuple, kwargs: dict) -> torch.futures.Future:
+    """On the owner: ``getattr(value, method)(*args, **kwargs)``, as a Future so
+    that an ``async_execution`` method's reply waits for its own Future."""
+    bound = getattr(rref.local_value(), method)
+    if is_async_execution(bound):
+        return bound(*args, **kwargs)
+    # An error is raised here, not set on the Future: see the rules.
+    result: torch.futures.Future = torch.futures.Future()
+    result.set_result(bound(*args, **kwargs))
+    return result
+
+
+def _type_of(rref: RRef) -> type:
+    return type(rref.local_value())
+
+
+def remote(
+    to: Any,
+    func: Callable[..., T],
+    args: tuple | None = None,
+    kwargs: dict | None = None,
+    timeout: float = UNSET_RPC_TIMEOUT,
+) -> RRef[T]:
+    """Run ``func(*args, **kwargs)`` on worker ``to`` and return an RRef to the
+    result at once; ``to`` owns the result, this worker holds a user RRef.
+
+    Args:
+        to: the owner-to-be's name, rank or ``WorkerInfo`` (this worker: an owner RRef).
+        func: a builtin, a picklable callable or a lambda/closure; may be an
+            ``rrpc.functions.async_execution`` function (the value is its Future's).
+        args, kwargs: its arguments; RRefs among them are forked to ``to``.
+        timeout: seconds for the owner to confirm the RRef; -1: the default
+            ``rpc_timeout``, 0: none. If it does not, the next use of the RRef
+            (``to_here()``, a proxy call) raises ``rrpc.RpcTimeoutError``.
+
+    An error raised by ``func`` is raised by ``to_here()`` and proxy calls on
+    the RRef, with its own type. Tensors in ``args`` must not change until
+    ``rref.confirmed_by_owner()``.
+
+    Example::
+
+        rref = rrpc.remote("worker1", torch.add, args=(torch.ones(2), 3))
+        rref.to_here()  # tensor([4., 4.])
+    """
+    ctx = _context()
+    agent = ctx.agent
+    if not callable(func):
+        raise TypeError(f"func must be callable, not {type(func).__name__}")
+    peer = agent.worker_info(to)
+    timeout = _resolve_timeout(agent, timeout)
+    payload_args, payload_kwargs = tuple(args or ()), dict(kwargs or {})
+    what = f"remote() of {_name(func)}"
+    if peer.id == ctx.rank:
+        # Run it through the agent like any call (arguments are copied, the
+        # function runs on the worker pool); the result goes into the owner RRef.
+        value: torch.futures.Future = torch.futures.Future()
+        call = agent.send(peer, CALL, (func, payload_args, payload_kwargs), timeout, what)
+        call.add_done_callback(functools.partial(_complete, value))
+        return RRef._make(ctx, ctx.new_id(), None, peer, value)
+    rref_id, fork_id = ctx.new_id(), ctx.new_id()
+    with ctx.lock:
+        ctx.users.created(rref_id, fork_id, peer.id)
+    try:
+        # No timeout on the message itself: its answer says whether the owner
+        # counted the fork, which the protocol must know. remote()'s timeout
+        # applies to the RRef's uses instead (_check_created).
+        creation = agent.send(
+            peer, RREF_CREATE, (rref_id, fork_id, func, payload_args, payload_kwargs), 0, what
+        )
+    except BaseException:
+        with ctx.lock:
+            ctx.users.forget(fork_id)
+        raise
+    rref = RRef._make(ctx, rref_id, fork_id, peer, None)
+    rref._creation = creation
+    rref._deadline = time.monotonic() + timeout if timeout else math.inf
+    creation.add_done_callback(functools.partial(ctx.on_created, rref_id, fork_id, peer.id))
+    return rref
+
+
+def rref_debug_info() -> dict[str, int]:
+    """This worker's RRef bookkeeping, as counts.
+
+    ``num_owner_rrefs``: values this worker owns that other workers refer to;
+    ``num_owner_forks``: the user references it counts for them;
+    ``num_user_rrefs``: references to other workers' values held here (and not
+    yet released); ``num_pending_confirmations`` / ``num_pending_forks``: those
+    the owner has not confirmed yet (from remote() / from another user);
+    ``num_pending_children``: copies sent to other workers and not yet counted
+    by the owner; ``num_pending_deletes`` / ``num_pending_accepts``: protocol
+    messages not yet answered. All are 0 when no RRef is in use.
+    """
+    ctx = _context()
+    with ctx.lock:
+        info = {
+            "num_owner_rrefs": len(ctx.owners.entries),
+            "num_owner_forks": ctx.owners.num_forks(),
+            **ctx.users.counts(),
+            "num_pending_deletes": ctx.in_flight[RREF_DELETE],
+            "num_pending_accepts": ctx.in_flight[RREF_ACCEPT],
+        }
+    return info
+
+
+def owner_forks() -> dict[RRefId, set[ForkId]]:
+    """The owner table, for tests and debugging: rref id -> fork ids it counts."""
+    ctx = _context()
+    with ctx.lock:
+        return {rref_id: set(entry.forks) for rref_id, entry in ctx.owners.entries.items()}
+
+
+__all__ = ["RRef", "owner_forks", "remote", "rref_debug_info"]

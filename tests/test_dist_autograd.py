@@ -1,0 +1,717 @@
+"""Distributed autograd (rrpc.autograd) against the same computation in one process.
+
+Each scenario runs on worker0 of a three-worker cluster shared by the dist tests
+of the session (starting workers costs seconds; a scenario costs milliseconds). A
+scenario computes the gradients twice, once across workers inside
+``rrpc.autograd.context()`` and once locally with ``torch.autograd.grad``, and
+returns both; the test compares them. After every test, every worker's
+autograd tables must be empty again.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import traceback
+from multiprocessing.connection import wait as wait_for_any
+from types import SimpleNamespace
+
+import cloudpickle
+import pytest
+import torch
+
+import harness
+import rrpc
+from harness import WorkerGroup, mp_context, run_workers
+from rrpc.autograd_context import ContextTable
+from rrpc.messages import AUTOGRAD_BACKWARD, WorkerInfo
+
+ATOL = 1e-6
+
+
+def assert_close(actual, expected, atol=ATOL):
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=0)
+
+
+# -- A cluster kept up for a module --------------------------------------------
+def _serve_scenarios(rank, world_size, commands, results, finished):
+    """Rank 0 runs each (fn, args) it is sent and sends back what it returned."""
+    if rank != 0:
+        finished.wait()
+        return None
+    while (message := cloudpickle.loads(commands.recv_bytes())) is not None:
+        fn, args = message
+        try:
+            outcome = ("ok", fn(*args))
+        except BaseException:
+            outcome = ("error", traceback.format_exc())
+        results.send_bytes(cloudpickle.dumps(outcome))
+    finished.set()
+    return None
+
+
+class Cluster:
+    """``world_size`` rrpc workers; ``run(fn, *args)`` runs ``fn`` on worker0."""
+
+    def __init__(self, world_size: int, backend_options=None):
+        self._results, results_writer = mp_context.Pipe(duplex=False)
+        commands_reader, self._commands = mp_context.Pipe(duplex=False)
+        self._finished = mp_context.Event()
+        self.group = WorkerGroup(
+            _serve_scenarios,
+            world_size,
+            args=(commands_reader, results_writer, self._finished),
+            backend_options=backend_options,
+        )
+        self.group.start()
+        # conftest stops every harness child after each test; this cluster's
+        # outlive tests and are ended by close() (or, should pytest itself die,
+        # by their own parent-death watchdog).
+        harness._live_processes.difference_update(self.group.processes)
+        results_writer.close()
+        commands_reader.close()
+        self.broken = ""
+
+    def run(self, fn, *args, timeout: float = 60.0):
+        if self.broken:
+            pytest.fail(f"the cluster broke in an earlier test:\n{self.broken}")
+        self._commands.send_bytes(cloudpickle.dumps((fn, args)))
+        sentinels = [process.sentinel for process in self.group.processes]
+        if self._results not in wait_for_any([self._results, *sentinels], timeout):
+            try:
+                self.group.wait(timeout=0.1)  # describes every rank and stops them
+                self.broken = f"a worker died during {fn.__name__}"
+            except AssertionError as failure:
+                self.broken = f"{fn.__name__} did not finish within {timeout} s:\n{failure}"
+            pytest.fail(self.broken)
+        status, value = cloudpickle.loads(self._results.recv_bytes())
+        if status != "ok":
+            pytest.fail(f"{fn.__name__} failed on worker0:\n{value}")
+        return value
+
+    def close(self) -> None:
+        try:
+            if not self.broken:
+                self._commands.send_bytes(cloudpickle.dumps(None))
+                self.group.wait(timeout=30)
+        finally:
+            self.group.close()
+
+
+_shared: list[Cluster] = []
+
+
+def shared_cluster(config) -> Cluster:
+    """The three-worker cluster of the dist tests: started on first use, stopped
+    when the session ends, replaced if a test broke it."""
+    if not _shared or _shared[0].broken:
+        cluster = Cluster(world_size=3)
+        config.add_cleanup(cluster.close)
+        _shared[:] = [cluster]
+    return _shared[0]
+
+
+@pytest.fixture
+def cluster(request):
+    return shared_cluster(request.config)
+
+
+def _autograd_state_everywhere():
+    assert rrpc.autograd._wait_releases(timeout=10), "context releases still pending after 10 s"
+    return [rrpc.rpc_sync(f"worker{rank}", rrpc.autograd._debug_info) for rank in range(3)]
+
+
+EMPTY = {"contexts": 0, "send_records": 0, "recv_records": 0, "gradients": 0, "pending_releases": 0}
+
+
+@pytest.fixture
+def no_state_left_behind(cluster):
+    """After the test, every worker's autograd tables are empty."""
+    yield
+    assert cluster.run(_autograd_state_everywhere) == [EMPTY] * 3
+
+
+# -- Helpers that run on the workers -------------------------------------------
+_PARAMS: dict[str, torch.Tensor] = {}  # this worker's parameters, by name
+
+
+def _param(shape, seed):
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.rand(shape, generator=generator) - 0.5).requires_grad_()
+
+
+def _make_param(name, shape, seed):
+    _PARAMS[name] = _param(shape, seed)
+
+
+def _grad_of_param(context_id, name):
+    """Read on the owner: the gradient of one of its parameters in context_id."""
+    return rrpc.autograd.get_gradients(context_id).get(_PARAMS[name])
+
+
+def _stage(x, name, then=None):
+    """tanh(x @ P[name]); with ``then=(worker, name)``, continue on that worker."""
+    h = torch.tanh(x @ _PARAMS[name])
+    if then is not None:
+        h = rrpc.rpc_sync(then[0], _stage, args=(h, then[1]))
+    return h
+
+
+def _stage_using_param_twice(x, name):
+    w = _PARAMS[name]
+    return torch.tanh(x @ w) @ w
+
+
+def _inputs(*shapes, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.rand(shape, generator=generator).requires_grad_() for shape in shapes]
+
+
+# -- Scenarios (run on worker0) ------------------------------------------------
+def _one_hop():
+    t1, t2 = _inputs((3, 3), (3, 3))
+    with rrpc.autograd.context() as context_id:
+        y = rrpc.rpc_sync("worker1", torch.mul, args=(t1, t2))
+        loss = (y * t1).sum()  # t1 also used locally
+        rrpc.autograd.backward(context_id, [loss])
+        grads = rrpc.autograd.get_gradients(context_id)
+        distributed = [grads[t1], grads[t2]]
+        assert t1.grad is None and t2.grad is None, "gradients leaked into .grad"
+    local = torch.autograd.grad(((t1 * t2) * t1).sum(), [t1, t2])
+    return distributed, list(local)
+
+
+def test_one_hop_gradients_equal_local_ones(cluster, no_state_left_behind):
+    distributed, local = cluster.run(_one_hop)
+    for d, g in zip(distributed, local, strict=True):
+        assert_close(d, g)
+
+
+def _chain_over_three_workers():
+    # worker0 -> worker1 -> worker2 and back: backward goes 0 -> 1 -> 2 -> 1 -> 0.
+    rrpc.rpc_sync("worker1", _make_param, args=("chain1", (4, 5), 1))
+    rrpc.rpc_sync("worker2", _make_param, args=("chain2", (5, 3), 2))
+    (x,) = _inputs((2, 4))
+    with rrpc.autograd.context() as context_id:
+        out = rrpc.rpc_sync("worker1", _stage, args=(x, "chain1", ("worker2", "chain2")))
+        loss = (out**2).sum()
+        rrpc.autograd.backward(context_id, [loss])
+        distributed = [
+            rrpc.autograd.get_gradients(context_id)[x],
+            rrpc.rpc_sync("worker1", _grad_of_param, args=(context_id, "chain1")),
+            rrpc.rpc_sync("worker2", _grad_of_param, args=(context_id, "chain2")),
+        ]
+    w1, w2 = _param((4, 5), 1), _param((5, 3), 2)
+    local = torch.autograd.grad((torch.tanh(torch.tanh(x @ w1) @ w2) ** 2).sum(), [x, w1, w2])
+    return distributed, list(local)
+
+
+def test_chain_over_three_workers_gradients_equal_local_ones(cluster, no_state_left_behind):
+    distributed, local = cluster.run(_chain_over_three_workers)
+    for d, g in zip(distributed, local, strict=True):
+        assert_close(d, g)
+
+
+def _fan_out_fan_in():
+    rrpc.rpc_sync("worker1", _make_param, args=("fan1", (4, 4), 3))
+    rrpc.rpc_sync("worker2", _make_param, args=("fan2", (4, 4), 4))
+    (x,) = _inputs((3, 4))
+    with rrpc.autograd.context() as context_id:
+        y1 = rrpc.rpc_async("worker1", _stage, args=(x, "fan1"))
+        y2 = rrpc.rpc_async("worker2", _stage, args=(x, "fan2"))
+        loss = (y1.wait() + y2.wait()).pow(2).sum()
+        rrpc.autograd.backward(context_id, [loss])
+        distributed = [
+            rrpc.autograd.get_gradients(context_id)[x],
+            rrpc.rpc_sync("worker1", _grad_of_param, args=(context_id, "fan1")),
+            rrpc.rpc_sync("worker2", _grad_of_param, args=(context_id, "fan2")),
+        ]
+    w1, w2 = _param((4, 4), 3), _param((4, 4), 4)
+    loss = (torch.tanh(x @ w1) + torch.tanh(x @ w2)).pow(2).sum()
+    return distributed, list(torch.autograd.grad(loss, [x, w1, w2]))
+
+
+def test_tensor_sent_to_two_workers_and_summed_gradients_equal_local_ones(
+    cluster, no_state_left_behind
+):
+    distributed, local = cluster.run(_fan_out_fan_in)
+    for d, g in zip(distributed, local, strict=True):
+        assert_close(d, g)
+
+
+def _parameter_used_twice_on_one_worker():
+    rrpc.rpc_sync("worker1", _make_param, args=("twice", (4, 4), 5))
+    (x,) = _inputs((2, 4))
+    with rrpc.autograd.context() as context_id:
+        # Twice inside one call, and once more in a second call (a second send record).
+        a = rrpc.rpc_sync("worker1", _stage_using_param_twice, args=(x, "twice"))
+        b = rrpc.rpc_sync("worker1", _stage, args=(x * 2, "twice"))
+        loss = (a * b).sum()
+        rrpc.autograd.backward(context_id, [loss])
+        distributed = [
+            rrpc.autograd.get_gradients(context_id)[x],
+            rrpc.rpc_sync("worker1", _grad_of_param, args=(context_id, "twice")),
+        ]
+    w = _param((4, 4), 5)
+    loss = ((torch.tanh(x @ w) @ w) * torch.tanh((x * 2) @ w)).sum()
+    return distributed, list(torch.autograd.grad(loss, [x, w]))
+
+
+def test_parameter_used_twice_on_one_worker_gets_the_sum_of_both_uses(
+    cluster, no_state_left_behind
+):
+    distributed, local = cluster.run(_parameter_used_twice_on_one_worker)
+    for d, g in zip(distributed, local, strict=True):
+        assert_close(d, g)
+
+
+def _retain_graph_twice():
+    rrpc.rpc_sync("worker1", _make_param, args=("retain", (3, 3), 6))
+    (x,) = _inputs((3, 3))
+    with rrpc.autograd.context() as context_id:
+        loss = rrpc.rpc_sync("worker1", _stage, args=(x, "retain")).sum()
+        rrpc.autograd.backward(context_id, [loss], retain_graph=True)
+        rrpc.autograd.backward(context_id, [loss], retain_graph=True)
+        distributed = [
+            rrpc.autograd.get_gradients(context_id)[x],
+            rrpc.rpc_sync("worker1", _grad_of_param, args=(context_id, "retain")),
+        ]
+    w = _param((3, 3), 6)
+    local = torch.autograd.grad(torch.tanh(x @ w).sum(), [x, w])
+    return distributed, [2 * g for g in local]
+
+
+def test_two_backward_passes_with_retain_graph_accumulate(cluster, no_state_left_behind):
+    distributed, twice_local = cluster.run(_retain_graph_twice)
+    for d, g in zip(distributed, twice_local, strict=True):
+        assert_close(d, g)
+
+
+class _Net(torch.nn.Module):
+    def __init__(self, seed):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for param in self.parameters():
+                param.copy_(torch.rand(param.shape, generator=generator) - 0.5)
+
+    def forward(self, x):
+        return torch.tanh(self.linear(x))
+
+
+def _module_gradients(module_rref, context_id):
+    """Read on the owner: the gradients of a module's parameters in context_id."""
+    gradients = rrpc.autograd.get_gradients(context_id)
+    return [gradients[param] for param in module_rref.local_value().parameters()]
+
+
+def _rref_proxies():
+    net_rref = rrpc.remote("worker1", _Net, args=(11,))
+    (x,) = _inputs((2, 4))
+    with rrpc.autograd.context() as context_id:
+        y = net_rref.rpc_sync().forward(x)
+        z = net_rref.rpc_async().forward(y).wait()
+        out = net_rref.remote().forward(z).to_here()
+        rrpc.autograd.backward(context_id, [(out**2).sum()])
+        distributed = [
+            rrpc.autograd.get_gradients(context_id)[x],
+            *rrpc.rpc_sync("worker1", _module_gradients, args=(net_rref, context_id)),
+        ]
+    net = _Net(11)
+    loss = (net(net(net(x))) ** 2).sum()
+    return distributed, list(torch.autograd.grad(loss, [x, *net.parameters()]))
+
+
+def test_rref_proxies_gradients_equal_local_ones(cluster, no_state_left_behind):
+    distributed, local = cluster.run(_rref_proxies)
+    assert len(distributed) == 3
+    for d, g in zip(distributed, local, strict=True):
+        assert_close(d, g)
+
+
+def _loss_computed_remotely_and_sent_back():
+    # The root itself is a received tensor; its graph starts at a recv node.
+    rrpc.rpc_sync("worker1", _make_param, args=("remote_loss", (3, 3), 7))
+    (x,) = _inputs((3, 3))
+    with rrpc.autograd.context() as context_id:
+        loss = rrpc.rpc_sync("worker1", _stage, args=(x, "remote_loss")).sum()
+        remote_loss = rrpc.rpc_sync("worker2", torch.mul, args=(loss, 3.0))
+        rrpc.autograd.backward(context_id, [remote_loss])
+        distributed = rrpc.autograd.get_gradients(context_id)[x]
+    w = _param((3, 3), 7)
+    return distributed, torch.autograd.grad(3.0 * torch.tanh(x @ w).sum(), [x])[0]
+
+
+def test_root_received_from_another_worker(cluster, no_state_left_behind):
+    distributed, local = cluster.run(_loss_computed_remotely_and_sent_back)
+    assert_close(distributed, local)
+
+
+def _in_place_then_sum(t):
+    t.mul_(2)  # allowed on a received tensor, as in torch
+    return t.sum()
+
+
+def _in_place_op_on_received_tensor():
+    (x,) = _inputs((3,))
+    with rrpc.autograd.context() as context_id:
+        y = rrpc.rpc_sync("worker1", _in_place_then_sum, args=(x * x,))
+        rrpc.autograd.backward(context_id, [y])
+        distributed = rrpc.autograd.get_gradients(context_id)[x]
+    return distributed, 4 * x.detach()
+
+
+def test_in_place_op_on_a_received_tensor_is_differentiated(cluster, no_state_left_behind):
+    distributed, local = cluster.run(_in_place_op_on_received_tensor)
+    assert_close(distributed, local)
+
+
+def _no_state_without_grad():
+    with rrpc.autograd.context():
+        rrpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), torch.ones(2)))
+        rrpc.rpc_sync("worker2", rrpc.rpc_sync, args=("worker1", torch.neg, (torch.ones(2),)))
+        return [rrpc.rpc_sync(f"worker{rank}", rrpc.autograd._debug_info) for rank in range(3)]
+
+
+def test_messages_without_tensors_requiring_grad_leave_no_state(cluster, no_state_left_behind):
+    infos = cluster.run(_no_state_without_grad)
+    assert infos[0]["contexts"] == 1  # the caller's own context
+    assert infos[0]["send_records"] == infos[0]["recv_records"] == 0
+    assert infos[1] == infos[2] == EMPTY
+
+
+def _state_while_in_context_then_released():
+    rrpc.rpc_sync("worker1", _make_param, args=("release", (3, 3), 8))
+    (x,) = _inputs((3, 3))
+    with rrpc.autograd.context():
+        rrpc.rpc_sync("worker1", _stage, args=(x, "release", ("worker2", "release2")))
+        during = [rrpc.rpc_sync(f"worker{rank}", rrpc.autograd._debug_info) for rank in range(3)]
+    return during
+
+
+def test_context_state_lives_on_every_participant_until_the_block_ends(
+    cluster, no_state_left_behind
+):
+    cluster.run(lambda: rrpc.rpc_sync("worker2", _make_param, args=("release2", (3, 3), 9)))
+    during = cluster.run(_state_while_in_context_then_released)
+    # worker0: send x, recv reply; worker1: recv x, send h, recv reply, send reply;
+    # worker2: recv h, send reply. (The fixture checks all is gone afterwards.)
+    assert [(i["contexts"], i["send_records"], i["recv_records"]) for i in during] == [
+        (1, 1, 1),
+        (1, 2, 2),
+        (1, 1, 1),
+    ]
+
+
+class _FailInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise ValueError("simulated error in the backward pass")
+
+
+def _fails_in_backward(x):
+    return _FailInBackward.apply(x) * 2
+
+
+def _error_in_remote_backward():
+    (x,) = _inputs((3,))
+    with rrpc.autograd.context() as context_id:
+        # The error is two hops away: worker0 -> worker1 -> worker2.
+        loss = rrpc.rpc_sync(
+            "worker1", rrpc.rpc_sync, args=("worker2", _fails_in_backward, (x,))
+        ).sum()
+        try:
+            rrpc.autograd.backward(context_id, [loss])
+        except ValueError as error:
+            return str(error), getattr(error, "remote_traceback", "")
+    return None
+
+
+def test_error_in_a_remote_backward_raises_its_type_on_the_caller(cluster, no_state_left_behind):
+    raised = cluster.run(_error_in_remote_backward)
+    assert raised is not None, "backward did not raise"
+    message, remote_traceback = raised
+    assert "simulated error in the backward pass" in message
+    assert "_FailInBackward" in remote_traceback or "backward" in remote_traceback
+
+
+def _threads_with_their_own_contexts():
+    rrpc.rpc_sync("worker1", _make_param, args=("threads", (3, 3), 10))
+    w = _param((3, 3), 10)
+    results, errors = {}, []
+
+    def train(index):
+        try:
+            (x,) = _inputs((3, 3), seed=100 + index)
+            for _ in range(20):
+                with rrpc.autograd.context() as context_id:
+                    loss = rrpc.rpc_sync("worker1", _stage, args=(x, "threads")).sum()
+                    rrpc.autograd.backward(context_id, [loss])
+                    got = rrpc.autograd.get_gradients(context_id)
+                    assert list(got) == [x], f"context {context_id} saw others' tensors"
+                    results[index] = got[x]
+            expected = torch.autograd.grad(torch.tanh(x @ w).sum(), [x])[0]
+            results[index] = (results[index], expected)
+        except BaseException as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=train, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def test_contexts_on_different_threads_are_independent(cluster, no_state_left_behind):
+    results = cluster.run(_threads_with_their_own_contexts)
+    assert sorted(results) == [0, 1, 2, 3]
+    for distributed, local in results.values():
+        assert_close(distributed, local)
+
+
+def _api_errors():
+    errors = {}
+
+    def error_of(fn):
+        try:
+            fn()
+        except Exception as error:
+            return type(error).__name__, str(error)
+        return None
+
+    with rrpc.autograd.context() as context_id:
+        errors["nested"] = error_of(lambda: rrpc.autograd.context().__enter__())
+        errors["no roots"] = error_of(lambda: rrpc.autograd.backward(context_id, []))
+        errors["no grad"] = error_of(lambda: rrpc.autograd.backward(context_id, [torch.ones(())]))
+        errors["not scalar"] = error_of(
+            lambda: rrpc.autograd.backward(context_id, [torch.ones(3, requires_grad=True)])
+        )
+        errors["leaf root"] = error_of(
+            lambda: rrpc.autograd.backward(context_id, [torch.ones(1, requires_grad=True)])
+        )
+    t = torch.ones(2, requires_grad=True)
+    errors["unknown context"] = error_of(lambda: rrpc.autograd.backward(12345, [(t * 2).sum()]))
+    errors["gradients of unknown context"] = error_of(lambda: rrpc.autograd.get_gradients(12345))
+    errors["released context"] = error_of(lambda: rrpc.autograd.get_gradients(context_id))
+    return errors
+
+
+def test_invalid_arguments_raise_torch_errors(cluster, no_state_left_behind):
+    errors = cluster.run(_api_errors)
+    assert errors["nested"][1].startswith("Already have an autograd context id for this thread")
+    assert errors["no roots"] == ("RuntimeError", "No tensors provided for gradient computation.")
+    assert "requires_grad not set on" in errors["no grad"][1]
+    assert "is not a scalar, all roots need to be scalar" in errors["not scalar"][1]
+    assert "does not have a valid gradient function" in errors["leaf root"][1]
+    for case in ("unknown context", "gradients of unknown context", "released context"):
+        assert errors[case][0] == "RuntimeError"
+        assert "Could not find autograd context with id" in errors[case][1]
+
+
+def _context_ids():
+    ids = []
+    for _ in range(3):
+        with rrpc.autograd.context() as context_id:
+            ids.append(context_id)
+    remote = rrpc.rpc_sync("worker2", _one_context_id)
+    return ids, remote
+
+
+def _one_context_id():
+    with rrpc.autograd.context() as context_id:
+        return context_id
+
+
+def test_context_ids_carry_the_creator_rank_in_the_top_16_bits(cluster, no_state_left_behind):
+    ids, remote = cluster.run(_context_ids)
+    assert len(set(ids)) == 3 and all(i >> 48 == 0 and i > 0 for i in ids)
+    assert remote >> 48 == 2
+
+
+# -- A worker dies during backward ---------------------------------------------
+class _DieInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        os._exit(1)
+
+
+def _dies_in_backward(x):
+    return _DieInBackward.apply(x) * 2
+
+
+def _backward_with_a_dying_worker(rank, world_size, done, rpc_timeout):
+    rrpc.init_rpc(
+        f"worker{rank}",
+        rank=rank,
+        world_size=world_size,
+        rpc_backend_options=rrpc.RpcBackendOptions(rpc_timeout=rpc_timeout),
+    )
+    try:
+        if rank == 2:  # dies in backward; must not wait on `done` (a dead waiter wedges its set())
+            threading.Event().wait(60)
+            return None
+        if rank == 1:
+            done.wait(60)
+            return None
+        (x,) = _inputs((3,))
+        with rrpc.autograd.context() as context_id:
+            y = rrpc.rpc_sync("worker1", rrpc.rpc_sync, args=("worker2", _dies_in_backward, (x,)))
+            started = time.monotonic()
+            try:
+                rrpc.autograd.backward(context_id, [y.sum()])
+            except Exception as error:
+                return type(error).__name__, str(error), time.monotonic() - started
+            finally:
+                done.set()
+        return None
+    finally:
+        rrpc.shutdown(graceful=False)
+
+
+def test_worker_dying_during_backward_makes_backward_raise_within_the_timeout():
+    done = mp_context.Event()
+    rpc_timeout = 20.0
+    results = run_workers(
+        _backward_with_a_dying_worker,
+        world_size=3,
+        args=(done, rpc_timeout),
+        init=False,
+        may_die={2},
+        timeout=60,
+    )
+    assert results[0] is not None, "backward did not raise"
+    kind, message, elapsed = results[0]
+    assert kind == "PeerUnavailableError", message
+    assert "worker2" in message
+    assert elapsed < rpc_timeout / 2  # death is noticed, not timed out
+
+
+# -- Bookkeeping alone, no processes -------------------------------------------
+def test_context_ids_are_unique_and_start_with_the_rank():
+    table = ContextTable(rank=5)
+    ids = [table.create().context_id for _ in range(3)]
+    assert ids == [(5 << 48) + 1, (5 << 48) + 2, (5 << 48) + 3]
+
+
+def test_other_workers_contexts_are_made_on_first_use_and_not_again_after_release():
+    table = ContextTable(rank=0)
+    peer = WorkerInfo("worker1", 1)
+    theirs = (1 << 48) + 7
+    context = table.get_or_create(theirs)
+    assert context is not None and table.get_or_create(theirs) is context
+    context.record_send((0, 1, False), peer, [torch.ones(1, requires_grad=True)])
+    assert table.debug_info()["send_records"] == 1
+    assert table.release(theirs) is context
+    assert table.get_or_create(theirs) is None  # a late message makes no new state
+    assert table.debug_info() == {
+        "contexts": 0,
+        "send_records": 0,
+        "recv_records": 0,
+        "gradients": 0,
+    }
+
+
+def test_own_context_is_not_remade_once_released():
+    table = ContextTable(rank=3)
+    context_id = table.create().context_id
+    table.release(context_id)
+    assert table.get_or_create(context_id) is None
+    with pytest.raises(
+        RuntimeError, match=f"Could not find autograd context with id: {context_id}$"
+    ):
+        table.get(context_id)
+
+
+def test_gradients_accumulate_out_of_place():
+    table = ContextTable(rank=0)
+    context = table.create()
+    leaf = torch.ones(2, requires_grad=True)
+    context.accumulate(leaf, torch.ones(2))
+    first = context.gradients_copy()[leaf]
+    context.accumulate(leaf, torch.full((2,), 2.0))
+    assert torch.equal(context.gradients_copy()[leaf], torch.full((2,), 3.0))
+    assert torch.equal(first, torch.ones(2))  # what a reader already holds does not change
+
+
+def test_participants_are_recorded_in_both_directions():
+    table = ContextTable(rank=0)
+    context = table.create()
+    context.record_send((0, 1, False), WorkerInfo("worker1", 1), [])
+    context.record_recv((2, 9, False), WorkerInfo("worker2", 2))
+    assert sorted(context.participants) == [1, 2]
+
+
+class _RecordingAgent:
+    """Stands in for the agent: records what a local pass sends, answers at once."""
+
+    def __init__(self):
+        self.sent = []
+        self.options = SimpleNamespace(rpc_timeout=5.0)
+
+    def send(self, peer, kind, obj, timeout, what):
+        self.sent.append((peer, kind, obj))
+        future = torch.futures.Future()
+        future.set_result(None)
+        return future
+
+
+def test_received_tensors_get_a_recv_node_and_their_gradients_go_back_to_the_sender():
+    table = ContextTable(rank=0)
+    context = table.create()
+    hooks = rrpc.autograd._Hooks(table)
+    sender, key = WorkerInfo("worker1", 1), (1, 7, False)
+    receive = hooks.tensor_hook(context.context_id, sender, key)
+    a, b = receive(torch.ones(2)), receive(torch.full((2,), 3.0))
+    assert type(a.grad_fn).__name__ == "RecvRpcBackward" and a.requires_grad
+    w = torch.full((2,), 2.0, requires_grad=True)
+    loss = (a * w + b * b).sum()
+
+    agent = _RecordingAgent()
+    hops = rrpc.autograd._local_pass(agent, context, [loss], [torch.ones(())])
+
+    assert len(hops) == 1
+    ((peer, kind, (context_id, sent_key, by_index)),) = agent.sent
+    assert (peer, kind, context_id, sent_key) == (
+        sender,
+        AUTOGRAD_BACKWARD,
+        context.context_id,
+        key,
+    )
+    assert sorted(by_index) == [0, 1]
+    assert torch.equal(by_index[0], torch.full((2,), 2.0))  # d loss / d a = w
+    assert torch.equal(by_index[1], torch.full((2,), 6.0))  # d loss / d b = 2 b
+    assert torch.equal(context.gradients_copy()[w], torch.ones(2))
+    assert w.grad is None
+    assert context.recvs == {key: sender} and context.participants == {1: sender}
+
+
+def test_a_message_without_tensors_requiring_grad_creates_no_context():
+    table = ContextTable(rank=0)
+    hooks = rrpc.autograd._Hooks(table)
+    hooks.tensor_hook((1 << 48) + 1, WorkerInfo("worker1", 1), (1, 1, False))  # never called
+    assert table.find((1 << 48) + 1) is None
+
+
+def test_send_records_keep_the_sent_tensors_until_release():
+    table = ContextTable(rank=0)
+    hooks = rrpc.autograd._Hooks(table)
+    theirs, peer, key = (2 << 48) + 5, WorkerInfo("worker2", 2), (2, 3, True)
+    t = torch.ones(3, requires_grad=True)
+    hooks.on_send(theirs, peer, key, [t])
+    assert table.get(theirs).sent_tensors(key) == [t]
+    table.release(theirs)
+    hooks.on_send(theirs, peer, key, [t])  # late: ignored
+    assert table.find(theirs) is None

@@ -1,0 +1,698 @@
+"""RRefs between real worker processes: remote(), RRef methods, forks, lifetimes.
+
+Most tests share one world of three workers (the `cluster` fixture): the test
+sends a module-level function to worker0, which runs it there and sends back
+its return value. worker1 usually owns the values, worker2 is the third
+worker that RRefs are forked to. After each of those tests every worker's RRef
+tables must be empty again (`no_rrefs_left_behind`).
+"""
+
+from __future__ import annotations
+
+import gc
+import pickle
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import cloudpickle
+import pytest
+import torch
+
+import rrpc
+from harness import WorkerGroup, mp_context, run_workers
+from rrpc import agent as agent_hooks
+
+WORKERS = ("worker0", "worker1", "worker2")
+ZERO_DEBUG_INFO = {
+    "num_owner_rrefs": 0,
+    "num_owner_forks": 0,
+    "num_user_rrefs": 0,
+    "num_pending_confirmations": 0,
+    "num_pending_forks": 0,
+    "num_pending_children": 0,
+    "num_pending_deletes": 0,
+    "num_pending_accepts": 0,
+}
+
+# -- The shared world ----------------------------------------------------------
+
+
+def _serve_commands(rank, world_size, commands, results, done):
+    """Worker0 runs each function the test sends; the others serve RPCs until `done`.
+
+    `done` is a semaphore, not an Event: setting an Event whose waiter died hangs."""
+    if rank != 0:
+        done.acquire()
+        return None
+    while (command := commands.get()) is not None:
+        fn, args = cloudpickle.loads(command)
+        try:
+            results.put(("ok", cloudpickle.dumps(fn(*args))))
+        except BaseException:
+            results.put(("error", traceback.format_exc()))
+    done.acquire()
+    return None
+
+
+class Cluster:
+    def __init__(self, group, commands, results):
+        self.group = group
+        self._commands = commands
+        self._results = results
+
+    def run(self, fn, *args, timeout: float = 60.0):
+        dead = [r for r, p in enumerate(self.group.processes) if not p.is_alive()]
+        assert not dead, f"cluster ranks {dead} died in an earlier test"
+        self._commands.put(cloudpickle.dumps((fn, args)))
+        status, value = self._results.get(timeout=timeout)
+        if status == "error":
+            pytest.fail(f"{fn.__name__} raised on worker0:\n{value}", pytrace=False)
+        return cloudpickle.loads(value)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    commands, results, done = mp_context.Queue(), mp_context.Queue(), mp_context.Semaphore(0)
+    with WorkerGroup(_serve_commands, world_size=3, args=(commands, results, done)) as group:
+        yield Cluster(group, commands, results)
+        commands.put(None)
+        for _ in range(3):
+            done.release()
+        group.wait(timeout=30)
+
+
+@pytest.fixture(autouse=True)
+def _stop_leftover_workers():
+    """Overrides conftest's, which would stop the module's cluster after its first test.
+    Every WorkerGroup here is closed by its own `with`."""
+    yield
+
+
+@pytest.fixture
+def no_rrefs_left_behind(cluster):
+    yield
+    infos = cluster.run(_wait_for_empty_tables)
+    assert infos == [ZERO_DEBUG_INFO] * 3
+
+
+# -- Helpers the workers run ---------------------------------------------------
+
+
+def wait_until(condition, timeout=10.0, what="condition"):
+    """Poll `condition()` until it returns a true value; return it, or fail at the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} still false after {timeout} s")
+        time.sleep(0.005)
+
+
+def _collect_and_debug_info():
+    gc.collect()
+    return rrpc.rref_debug_info()
+
+
+def _debug_infos():
+    return [rrpc.rpc_sync(name, _collect_and_debug_info) for name in WORKERS]
+
+
+def _wait_for_empty_tables(timeout=10.0):
+    last = []
+
+    def empty():
+        last[:] = _debug_infos()
+        return all(info == ZERO_DEBUG_INFO for info in last)
+
+    try:
+        wait_until(empty, timeout, "empty RRef tables")
+    except AssertionError:
+        pass
+    return last
+
+
+def _settle_messages(timeout=10.0):
+    """Wait until no worker has an RRef message in flight or a fork unconfirmed."""
+
+    def settled():
+        infos = _debug_infos()
+        return not any(v for info in infos for k, v in info.items() if k.startswith("num_pending"))
+
+    wait_until(settled, timeout, "RRef messages settled")
+
+
+def _raise(exc):
+    raise exc
+
+
+def _outcome(fn, *args, **kwargs):
+    """(type name, message) of what fn raises, or ("returned", value)."""
+    try:
+        return "returned", fn(*args, **kwargs)
+    except Exception as exc:
+        # An error raised by torch.futures.Future.wait() (the user's own
+        # rpc_async() future) has the Future in its traceback and the Future
+        # holds the error: an uncollectable cycle that would keep this stack's
+        # RRefs alive. rrpc's own calls raise copies and need no such care.
+        exc.__traceback__ = None
+        return type(exc).__name__, str(exc)
+
+
+class Box:
+    """A value with methods, owned by one worker and used through RRefs."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def add(self, x, *, times=1):
+        self.value += x * times
+        return self.value
+
+    def where(self):
+        return rrpc.get_worker_info().name
+
+    def fail(self):
+        raise KeyError("no such key in the box")
+
+    @staticmethod
+    @rrpc.functions.async_execution
+    def later(x):
+        future = torch.futures.Future()
+        threading.Timer(0.05, lambda: future.set_result(x * 10)).start()
+        return future
+
+
+def _seeded_linear():
+    torch.manual_seed(7)
+    return torch.nn.Linear(4, 3)
+
+
+_remembered: dict = {}
+
+
+def _remember(key, value):
+    _remembered[key] = value
+    return value
+
+
+def _forget(key):
+    _remembered.pop(key, None)
+
+
+def _is_remembered(rref, key):
+    return rref.is_owner(), rref.local_value() is _remembered[key]
+
+
+def _describe_rref(rref):
+    return {
+        "to_here": rref.to_here(),
+        "is_owner": rref.is_owner(),
+        "owner": rref.owner(),
+        "owner_name": rref.owner_name(),
+        "here": rrpc.get_worker_info().name,
+    }
+
+
+def _to_here_all(container):
+    return {key: [r.to_here() for r in rrefs] for key, rrefs in container.items()}
+
+
+def _make_rref_on(owner, value):
+    return rrpc.remote(owner, Box, args=(value,))
+
+
+def _make_local_rref(value):
+    return rrpc.RRef(Box(value))
+
+
+def _echo(value):
+    return value
+
+
+# -- Methods on the owner and on users -----------------------------------------
+
+
+def _owner_rref_methods():
+    box = Box(5)
+    rref = rrpc.RRef(box)
+    confirmed = rref.confirmed_by_owner()
+    return {
+        "is_owner": rref.is_owner(),
+        "owner": rref.owner(),
+        "owner_name": rref.owner_name(),
+        "confirmed": confirmed,
+        "local_value is box": rref.local_value() is box,
+        "to_here is box": rref.to_here() is box,
+        "rpc_sync": rref.rpc_sync().add(1),
+        "rpc_async": rref.rpc_async().add(2, times=2).wait(),
+        "remote is_owner": (made := rref.remote().add(10)).is_owner(),
+        "remote to_here": made.to_here(),
+        "box after": box.value,
+        "where": rref.rpc_sync().where(),
+        "repr": repr(rref).split("rref_id=")[0],
+    }
+
+
+def test_owner_rref_methods_act_on_the_local_value(cluster, no_rrefs_left_behind):
+    got = cluster.run(_owner_rref_methods)
+    assert got == {
+        "is_owner": True,
+        "owner": rrpc.WorkerInfo("worker0", 0),
+        "owner_name": "worker0",
+        "confirmed": True,
+        "local_value is box": True,
+        "to_here is box": True,
+        "rpc_sync": 6,
+        "rpc_async": 10,
+        "remote is_owner": True,
+        "remote to_here": 20,
+        "box after": 20,
+        "where": "worker0",
+        "repr": "OwnerRRef(",
+    }
+
+
+def _user_rref_methods():
+    rref = rrpc.remote("worker1", Box, args=(5,))
+    copy = rref.to_here()
+    wait_until(rref.confirmed_by_owner, what="confirmation of the remote() RRef")
+    made = rref.remote().add(10, times=2)
+    made_value = made.to_here()
+    return {
+        "is_owner": rref.is_owner(),
+        "owner": rref.owner(),
+        "owner_name": rref.owner_name(),
+        "to_here": (type(copy).__name__, copy.value),
+        "local_value": _outcome(rref.local_value),
+        "rpc_sync": rref.rpc_sync().add(1),
+        "rpc_async": rref.rpc_async().add(2, times=2).wait(),
+        "remote is_owner": made.is_owner(),
+        "remote owner": made.owner_name(),
+        "remote to_here": made_value,
+        "value after": rref.to_here().value,
+        "where": rref.rpc_sync().where(),
+        "async_execution method": rref.rpc_sync().later(4),
+        "async_execution method async": rref.rpc_async().later(5).wait(),
+        "repr": repr(rref).split("rref_id=")[0],
+        "type": rref._get_type(),
+    }
+
+
+def test_user_rref_methods_run_on_the_owner(cluster, no_rrefs_left_behind):
+    got = cluster.run(_user_rref_methods)
+    kind, message = got.pop("local_value")
+    assert kind == "RuntimeError"
+    assert "worker1" in message and "worker0" in message
+    assert got == {
+        "is_owner": False,
+        "owner": rrpc.WorkerInfo("worker1", 1),
+        "owner_name": "worker1",
+        "to_here": ("Box", 5),
+        "rpc_sync": 26,
+        "rpc_async": 30,
+        "remote is_owner": False,
+        "remote owner": "worker1",
+        "remote to_here": 25,
+        "value after": 30,
+        "where": "worker1",
+        "async_execution method": 40,
+        "async_execution method async": 50,
+        "repr": "UserRRef(",
+        "type": Box,
+    }
+
+
+def _remote_to_self():
+    rref = rrpc.remote("worker0", torch.add, args=(torch.ones(2), 1))
+    return rref.is_owner(), rref.owner_name(), rref.to_here(), rref.local_value()
+
+
+def test_remote_to_self_returns_an_owner_rref(cluster, no_rrefs_left_behind):
+    is_owner, owner_name, here, local = cluster.run(_remote_to_self)
+    assert (is_owner, owner_name) == (True, "worker0")
+    assert torch.equal(here, torch.full((2,), 2.0)) and torch.equal(local, here)
+
+
+def _module_forward():
+    x = torch.arange(8.0).reshape(2, 4)
+    rref = rrpc.remote("worker1", _seeded_linear)
+    remote_out = rref.rpc_sync().forward(x)
+    async_out = rref.rpc_async().forward(x).wait()
+    local_out = _seeded_linear()(x)
+    copied_out = rref.to_here()(x)
+    return remote_out, async_out, local_out, copied_out
+
+
+def test_rref_of_a_module_runs_forward_on_the_owner_like_a_local_module(
+    cluster, no_rrefs_left_behind
+):
+    remote_out, async_out, local_out, copied_out = cluster.run(_module_forward)
+    assert remote_out.shape == (2, 3)
+    assert torch.equal(remote_out, local_out)
+    assert torch.equal(async_out, local_out)
+    assert torch.equal(copied_out, local_out)
+
+
+# -- RRefs travel --------------------------------------------------------------
+
+
+def _pass_to_third_worker():
+    rref = rrpc.remote("worker1", torch.mul, args=(torch.arange(3), 7))
+    seen = rrpc.rpc_sync("worker2", _describe_rref, args=(rref,))
+    local = rrpc.RRef(torch.tensor([1.5]))
+    seen_local = rrpc.rpc_sync("worker2", _describe_rref, args=(local,))
+    nested = {
+        "a": [rrpc.remote("worker1", torch.ones, args=(2,)), rref],
+        "b": [local, rrpc.remote("worker2", torch.zeros, args=(1,))],
+    }
+    return seen, seen_local, rrpc.rpc_sync("worker2", _to_here_all, args=(nested,))
+
+
+def test_rref_passed_to_a_third_worker_fetches_the_owners_value(cluster, no_rrefs_left_behind):
+    seen, seen_local, nested = cluster.run(_pass_to_third_worker)
+    assert torch.equal(seen.pop("to_here"), torch.tensor([0, 7, 14]))
+    assert seen == {
+        "is_owner": False,
+        "owner": rrpc.WorkerInfo("worker1", 1),
+        "owner_name": "worker1",
+        "here": "worker2",
+    }
+    assert torch.equal(seen_local.pop("to_here"), torch.tensor([1.5]))
+    assert seen_local["owner_name"] == "worker0" and seen_local["is_owner"] is False
+    assert [t.tolist() for t in nested["a"]] == [[1.0, 1.0], [0, 7, 14]]
+    assert [t.tolist() for t in nested["b"]] == [[1.5], [0.0]]
+
+
+def _returned_from_rpc():
+    made_remotely = rrpc.rpc_sync("worker2", _make_rref_on, args=("worker1", 3))
+    made_locally = rrpc.rpc_sync("worker2", _make_local_rref, args=(4,))
+    return (
+        (made_remotely.owner_name(), made_remotely.is_owner(), made_remotely.to_here().value),
+        (made_locally.owner_name(), made_locally.is_owner(), made_locally.to_here().value),
+        made_locally.rpc_sync().where(),
+    )
+
+
+def test_rrefs_returned_from_an_rpc_refer_to_their_owners_value(cluster, no_rrefs_left_behind):
+    assert cluster.run(_returned_from_rpc) == (
+        ("worker1", False, 3),
+        ("worker2", False, 4),
+        "worker2",
+    )
+
+
+def _round_trip_to_owner():
+    box = Box(1)
+    mine = rrpc.RRef(box)
+    back = rrpc.rpc_sync("worker1", _echo, args=(mine,))
+    via_two = rrpc.rpc_sync("worker1", rrpc.rpc_sync, args=("worker2", _echo, (mine,)))
+    theirs = rrpc.remote("worker1", _remember, args=("round trip", Box(2)))
+    owner_view = rrpc.rpc_sync("worker1", _is_remembered, args=(theirs, "round trip"))
+    rrpc.rpc_sync("worker1", _forget, args=("round trip",))
+    return back is mine, via_two is mine, back.local_value() is box, owner_view
+
+
+def test_rref_sent_back_to_its_owner_is_the_owners_own_object(cluster, no_rrefs_left_behind):
+    assert cluster.run(_round_trip_to_owner) == (True, True, True, (True, True))
+
+
+# -- Errors --------------------------------------------------------------------
+
+
+def _errors():
+    failing = rrpc.remote("worker1", _raise, args=(ValueError("bad value on the owner"),))
+    box = rrpc.remote("worker1", Box, args=(0,))
+    return {
+        "to_here": _outcome(failing.to_here),
+        "proxy on failed": _outcome(lambda: failing.rpc_sync().where()),
+        "method raises": _outcome(lambda: box.rpc_sync().fail()),
+        "method raises async": _outcome(lambda: box.rpc_async().fail().wait()),
+        "method raises remote": _outcome(lambda: box.remote().fail().to_here()),
+        "pickle outside rpc": _outcome(pickle.dumps, box)[0],
+        "timed out": _outcome(rrpc.remote("worker1", time.sleep, args=(1.0,), timeout=0.2).to_here),
+    }
+
+
+def test_errors_of_the_function_behind_remote_surface_with_their_own_type(
+    cluster, no_rrefs_left_behind
+):
+    got = cluster.run(_errors)
+    assert got["to_here"] == ("ValueError", "bad value on the owner")
+    assert got["proxy on failed"] == ("ValueError", "bad value on the owner")
+    assert got["method raises"] == ("KeyError", "'no such key in the box'")
+    assert got["method raises async"] == ("KeyError", "'no such key in the box'")
+    assert got["method raises remote"] == ("KeyError", "'no such key in the box'")
+    assert got["pickle outside rpc"] == "RuntimeError"
+    kind, message = got["timed out"]
+    assert kind == "RpcTimeoutError" and "worker1" in message
+
+
+def _discarded_picklings():
+    """Forks made while pickling a message that is then re-pickled or not sent."""
+    theirs = rrpc.remote("worker1", Box, args=(1,))
+    mine = rrpc.RRef(Box(2))
+    # A lambda after the RRefs: the fast pickler gives up, cloudpickle starts over.
+    with_lambda = rrpc.rpc_sync("worker2", _echo, args=((theirs, mine, lambda: 3),))
+    retried = (with_lambda[0].to_here().value, with_lambda[1].to_here().value, with_lambda[2]())
+    del with_lambda
+    _settle_messages()
+    before = rrpc.rref_debug_info()
+    # An argument after the RRefs that cannot be pickled: nothing is sent.
+    unpicklable = _outcome(rrpc.rpc_sync, "worker2", _echo, args=(theirs, mine, threading.Lock()))
+    return retried, unpicklable[0], before, rrpc.rref_debug_info()
+
+
+def test_forks_of_a_message_that_is_repickled_or_not_sent_are_undone(cluster, no_rrefs_left_behind):
+    retried, unpicklable, before, after = cluster.run(_discarded_picklings)
+    assert retried == (1, 2, 3)
+    assert unpicklable == "SerializationError"
+    assert before == after == {**ZERO_DEBUG_INFO, "num_user_rrefs": 1}
+
+
+# -- Lifetimes -----------------------------------------------------------------
+
+
+class Counted:
+    """Counts, on its owner, how many were built and how many freed."""
+
+    lock = threading.Lock()
+    constructed = 0
+    destroyed = 0
+
+    def __init__(self, tag):
+        self.tag = tag
+        with Counted.lock:
+            Counted.constructed += 1
+
+    def __del__(self):
+        with Counted.lock:
+            Counted.destroyed += 1
+
+
+def _counts():
+    gc.collect()
+    return Counted.constructed, Counted.destroyed
+
+
+def _reset_counts():
+    Counted.constructed = Counted.destroyed = 0
+
+
+_kept: list = []
+
+
+def _keep_some(rrefs, every):
+    """On the third worker: keep every `every`-th RRef, drop the others at once."""
+    _kept.extend(rrefs[::every])
+    return len(_kept)
+
+
+def _tags_of_kept():
+    return sorted(r.to_here().tag for r in _kept)
+
+
+def _drop_kept():
+    _kept.clear()
+
+
+def _settle(expected_destroyed, timeout=10.0):
+    """Wait until the owner destroyed `expected_destroyed` and no RRef message is in flight."""
+    last = {}
+
+    def settled():
+        last["counts"] = rrpc.rpc_sync("worker1", _counts)
+        infos = _debug_infos()
+        last["infos"] = infos
+        in_flight = any(v for info in infos for k, v in info.items() if k.startswith("num_pending"))
+        return last["counts"][1] >= expected_destroyed and not in_flight
+
+    started = time.monotonic()
+    try:
+        wait_until(settled, timeout)
+    except AssertionError:
+        pass
+    return time.monotonic() - started, last["counts"], last["infos"]
+
+
+def _lifetime(threads):
+    rrpc.rpc_sync("worker1", _reset_counts)
+    total, forked_every, kept_here_every = 500, 5, 50
+
+    def create_and_drop(start, stop, kept_here):
+        mine = [rrpc.remote("worker1", Counted, args=(i,)) for i in range(start, stop)]
+        rrpc.rpc_sync("worker2", _keep_some, args=(mine[::forked_every], 2))
+        kept_here.extend(mine[1::kept_here_every])
+        del mine
+
+    kept_here: list = []
+    if threads == 1:
+        create_and_drop(0, total, kept_here)
+    else:
+        share = total // threads
+        workers = [
+            threading.Thread(target=create_and_drop, args=(i * share, (i + 1) * share, kept_here))
+            for i in range(threads)
+        ]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+    forked_kept = rrpc.rpc_sync("worker2", _tags_of_kept)
+    kept_tags = {r.to_here().tag for r in kept_here}
+    alive = set(forked_kept) | kept_tags
+    partly = _settle(total - len(alive))
+
+    rrpc.rpc_sync("worker2", _drop_kept)
+    del kept_here
+    everything = _settle(total)
+    return len(alive), partly, everything
+
+
+@pytest.mark.parametrize("threads", [1, 5], ids=["one thread", "five threads"])
+def test_owner_frees_every_value_within_seconds_of_its_last_reference(
+    cluster, no_rrefs_left_behind, threads
+):
+    alive, partly, everything = cluster.run(_lifetime, threads)
+    assert alive == 50 + 10  # forked to worker2 and kept, kept on worker0
+    _, counts, infos = partly
+    assert counts == (500, 500 - alive)  # exactly the referenced ones survive
+    assert infos[1]["num_owner_rrefs"] == alive
+    assert infos[0]["num_user_rrefs"] == 10 and infos[2]["num_user_rrefs"] == 50
+    elapsed, counts, infos = everything
+    assert counts == (500, 500)
+    assert infos == [ZERO_DEBUG_INFO] * 3
+    assert elapsed < 10.0
+
+
+def _soak(cycles):
+    rrpc.rpc_sync("worker1", _reset_counts)
+    window = 200  # remote() calls in flight at most
+    for start in range(0, cycles, window):
+        batch = [rrpc.remote("worker1", Counted, args=(i,)) for i in range(start, start + window)]
+        batch[-1].to_here()
+        del batch
+    return _settle(cycles, timeout=20.0)
+
+
+def test_thousands_of_remote_and_drop_cycles_leave_nothing_behind(cluster, no_rrefs_left_behind):
+    elapsed, counts, infos = cluster.run(_soak, 5000)
+    assert counts == (5000, 5000)
+    assert infos == [ZERO_DEBUG_INFO] * 3
+
+
+# -- Shutdown ------------------------------------------------------------------
+
+
+def _drop_then_shut_down(rank, world_size):
+    rrpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size)
+    at_stop = {}
+    if rank == 1:
+        # Runs before rrpc.rref's own on_stop hook forgets the tables.
+        agent_hooks.on_stop.insert(
+            0, lambda: at_stop.update(info=rrpc.rref_debug_info(), counts=_counts())
+        )
+        rrpc.shutdown()
+        agent_hooks.on_stop.pop(0)
+        return at_stop
+    rrefs = [rrpc.remote("worker1", Counted, args=(i,)) for i in range(200)]
+    kept = rrefs.pop()
+    # Dropped in a reference cycle, with automatic collection off: only the
+    # shutdown's drain collects them, and must then wait for their DELETEs.
+    rrefs.append(rrefs)
+    gc.disable()
+    del rrefs
+    rrpc.shutdown()
+    gc.enable()
+    after = {"to_here": _outcome(kept.to_here)[0]}
+    del kept  # after shutdown: must neither raise nor hang
+    gc.collect()
+    return after
+
+
+def test_graceful_shutdown_waits_for_the_deletes_of_dropped_rrefs():
+    user, owner = run_workers(_drop_then_shut_down, world_size=2, init=False, timeout=90)
+    assert user == {"to_here": "RpcError"}
+    # When the owner stops, every dropped value is freed and the kept one is not.
+    assert owner["counts"] == (200, 199)
+    assert owner["info"] == {**ZERO_DEBUG_INFO, "num_owner_rrefs": 1, "num_owner_forks": 1}
+
+
+# -- Owner death ---------------------------------------------------------------
+
+
+def _owner_dies(rank, world_size, ready, owner_dead):
+    rrpc.init_rpc(
+        f"worker{rank}",
+        rank=rank,
+        world_size=world_size,
+        rpc_backend_options=rrpc.RpcBackendOptions(rpc_timeout=20.0),
+    )
+    try:
+        if rank == 1:
+            threading.Event().wait()  # until the test kills it
+        rref = rrpc.remote("worker1", Box, args=(1,))
+        wait_until(rref.confirmed_by_owner, what="confirmation")
+        ready.set()
+        assert owner_dead.acquire(timeout=30)
+        started = time.monotonic()
+        to_here = _outcome(rref.to_here)
+        proxy = _outcome(rref.rpc_sync().where)
+        elapsed = time.monotonic() - started
+        del rref  # its DELETE cannot reach the owner: must neither raise nor hang
+        gc.collect()
+        return to_here, proxy, elapsed
+    finally:
+        rrpc.shutdown(graceful=False)
+
+
+def test_to_here_on_an_rref_whose_owner_died_raises_naming_the_owner():
+    # A semaphore, not an Event: setting an Event that a killed process waited on hangs.
+    ready, owner_dead = mp_context.Event(), mp_context.Semaphore(0)
+    with WorkerGroup(_owner_dies, world_size=2, args=(ready, owner_dead), init=False) as group:
+        assert ready.wait(60)
+        group.kill(1)
+        owner_dead.release()
+        results = group.wait(timeout=60, may_die={1})
+    to_here, proxy, elapsed = results[0]
+    assert to_here[0] == "PeerUnavailableError" and "worker1" in to_here[1], to_here
+    assert proxy[0] == "PeerUnavailableError" and "worker1" in proxy[1], proxy
+    assert elapsed < 10.0
+
+
+@pytest.mark.slow
+def test_owner_memory_stays_flat_over_100000_remote_and_drop_cycles():
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "rref_soak.py"
+    run = subprocess.run(
+        [sys.executable, str(script), "--cycles", "100000"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "OK: the owner's memory stayed flat" in run.stdout
