@@ -30,7 +30,7 @@ test-slow: $(STAMP)
 	$(PY) -m pytest -q -ra -m slow $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 demo: $(STAMP)
-	$(PY) examples/quickstart.py
+	$(PY) examples/param_server/main.py
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench.py
