@@ -128,7 +128,8 @@ def rebuild_remote_exception(payload: tuple) -> BaseException:
     if not isinstance(exc, BaseException):
         exc = RemoteError(name, message, text)
     exc.remote_traceback = text  # type: ignore[union-attr]
-    exc.add_note(f"\nRemote traceback (on {where}):\n{text.rstrip()}")
+    if hasattr(exc, "add_note"):  # Python 3.11+
+        exc.add_note(f"\nRemote traceback (on {where}):\n{text.rstrip()}")
     return exc
 
 
@@ -505,7 +506,10 @@ class Agent:
         try:
             result = done.value()
         except BaseException as exc:
+            # See api.rpc_sync: drop the frames (and the future) from the traceback.
+            del done
             self._reply_error(exc, peer, request_id, respond)
+            exc.__traceback__ = None
             return
         self._reply(result, peer, request_id, context_id, respond)
 

@@ -77,14 +77,15 @@ def init_rpc(
         agent = None
         try:
             agent = Agent(name, rank, advertise_host(store_host, options.advertise_host), options)
+            # Every handler is in place before any peer can learn our address.
             agent.register(CALL, _run_call)
+            for start in agent_module.on_start:
+                start(agent)
             for info, address, advertised in rendezvous.exchange(
                 name, agent.address, agent.advertisement()
             ):
                 agent.add_peer(info, address, advertised)
             agent.lookup = rendezvous.lookup
-            for start in agent_module.on_start:
-                start(agent)
         except BaseException:
             if agent is not None:
                 agent.stop(graceful=False)
@@ -211,7 +212,15 @@ def rpc_sync(
 
         rrpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 3))  # tensor([4., 4.])
     """
-    return rpc_async(to, func, args, kwargs, timeout).wait()
+    future = rpc_async(to, func, args, kwargs, timeout)
+    try:
+        return future.wait()
+    except BaseException as error:
+        # The future holds the error from C++, out of the garbage collector's
+        # sight: a traceback through frames that hold the future would be a
+        # cycle never collected (keeping every local of the caller alive).
+        del future
+        raise error.with_traceback(None)  # noqa: B904 -- same error, fresh traceback
 
 
 def get_worker_info(worker_name: str | None = None) -> WorkerInfo:

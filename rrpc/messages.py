@@ -26,7 +26,6 @@ RREF_DELETE = 24  # a user fork is gone (dropped, no copies in flight)
 RREF_CREATE_FAILED = 25  # a CREATE was refused before it ran: fail waiters of its value
 AUTOGRAD_BACKWARD = 30  # gradients for a send node, run the rest of the pass there
 AUTOGRAD_RELEASE = 31  # a context ended; free its state
-SHUTDOWN_DRAIN = 40  # graceful shutdown: "I have nothing in flight"
 
 KIND_NAMES = {
     value: name
