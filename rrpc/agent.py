@@ -599,7 +599,7 @@ def _wait_future(future: torch.futures.Future, timeout: float) -> bool:
         return True
     event = threading.Event()
     future.add_done_callback(lambda _: event.set())
-    return event.wait(max(0.0, timeout))
+    return event.wait(None if timeout == math.inf else max(0.0, timeout))
 
 
 def _bracket(host: str) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import atexit
 import enum
+import math
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -95,12 +96,14 @@ def init_rpc(
         agent_module.set_current_agent(agent)
 
 
-def shutdown(graceful: bool = True, timeout: float = 60.0) -> None:
+def shutdown(graceful: bool = True, timeout: float = 0) -> None:
     """Stop this worker's agent.
 
     With ``graceful=True`` (the default) it first waits until every worker has
     called ``shutdown`` and none has calls, RRef messages or autograd work
-    still in flight, so no worker leaves while others depend on it. With
+    still in flight, so no worker leaves while others depend on it. As in
+    PyTorch, ``timeout=0`` (the default) waits as long as the others work;
+    unlike PyTorch, a worker that died is noticed and not waited for. With
     ``graceful=False`` it stops at once and fails its pending calls.
     Afterwards ``init_rpc`` may be called again.
     """
@@ -112,9 +115,10 @@ def shutdown(graceful: bool = True, timeout: float = 60.0) -> None:
         rendezvous = _rendezvous
         try:
             if graceful:
+                limit = timeout if timeout > 0 else math.inf
                 for drain in agent_module.on_drain:
-                    drain(timeout)
-                if not agent.wait_idle(timeout):
+                    drain(limit)
+                if not agent.wait_idle(limit):
                     raise RpcError(
                         f"shutdown of {agent.info.name}: calls still pending after {timeout:g} s"
                     )

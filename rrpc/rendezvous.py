@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import socket
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -166,32 +168,45 @@ class Rendezvous:
         gone: Callable[[list[int]], bool] | None = None,
         suspects: set[int] | frozenset[int] = frozenset(),
     ) -> None:
-        """Wait until every rank arrives; or, with ``gone``, until every rank
-        that has not arrived is one that ``gone`` confirms dead. (No-op with
-        dynamic membership: there is no fixed set of ranks to wait for.)"""
+        """Wait until every rank arrives (``timeout`` 0: no limit); or, with
+        ``gone``, until every rank that has not arrived is one that ``gone``
+        confirms dead. (No-op with dynamic membership: there is no fixed set
+        of ranks to wait for.)
+
+        It polls an arrival counter (one cheap store request per poll) rather
+        than blocking in ``store.wait``: it must notice dead ranks while it
+        waits, and c10d logs a warning for every ``wait`` that expires. Ranks
+        suspected dead (``suspects``, whose streams broke) are probed at once,
+        others every few seconds."""
         if self.world_size is None:
             return
         self.store.set(f"{self.prefix}{tag}/{self.rank}", b"1")
-        keys = self._keys(tag)
-        deadline = time.monotonic() + timeout
-        while True:
-            remaining = deadline - time.monotonic()
-            try:
-                # Slices, to notice dead ranks: short while one is suspected dead,
-                # long otherwise, as c10d logs every slice that expires.
-                slice_ = 0.2 if suspects else 5.0
-                self.store.wait(keys, timedelta(seconds=max(0.01, min(slice_, remaining))))
-                return
-            except Exception:
+        counter = f"{self.prefix}{tag}/arrived"
+        arrived = self.store.add(counter, 1)
+        start = time.monotonic()
+        deadline = start + timeout if timeout > 0 else math.inf
+        next_probe = start + (0.0 if suspects else 5.0)
+        poll = threading.Event()  # never set: a timed wait between polls
+        while arrived < self.world_size:
+            now = time.monotonic()
+            if gone is not None and now >= next_probe:
+                keys = self._keys(tag)
                 missing = [rank for rank, key in enumerate(keys) if not self.store.check([key])]
-                if not missing or (gone is not None and gone(missing)):
+                if not missing:
+                    return
+                if gone(missing):
                     self._gone = set(missing)
                     return
-                if time.monotonic() >= deadline:
-                    raise RpcError(
-                        f"barrier {tag!r} at {self.where} timed out after {timeout:g} s: "
-                        f"rank(s) {missing} of world_size {self.world_size} never arrived"
-                    ) from None
+                next_probe = now + (0.5 if suspects else 5.0)
+            if now >= deadline:
+                keys = self._keys(tag)
+                missing = [rank for rank, key in enumerate(keys) if not self.store.check([key])]
+                raise RpcError(
+                    f"barrier {tag!r} at {self.where} timed out after {timeout:g} s: "
+                    f"rank(s) {missing} of world_size {self.world_size} never arrived"
+                )
+            poll.wait(0.05 if now - start < 1.0 else 0.2)
+            arrived = self.store.add(counter, 0)
 
     def close(self, timeout: float = 10.0) -> None:
         """Leave; the host keeps the store until every rank has left it."""

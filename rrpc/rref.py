@@ -254,7 +254,7 @@ class _Context:
         while True:
             flushed = threading.Event()
             self.events.put((_FLUSH, flushed))
-            flushed.wait(max(0.0, deadline - time.monotonic()))
+            flushed.wait(None if deadline == math.inf else max(0.0, deadline - time.monotonic()))
             with self.lock:
                 pending = self.pending()
                 if not pending and flushed.is_set():
