@@ -365,8 +365,7 @@ class Agent:
         stats.tensor_bytes_sent += out.tensor_bytes
         connection.send(out.pieces)
         if connection.closed:  # it broke between lookup and send: fail now, not at the deadline
-            self._on_stream_closed(peer, connection, None)
-            self._fail(request_id, PeerUnavailableError(f"{what} on {peer.name}: unreachable"))
+            self._on_stream_closed(peer, connection, connection.error)
         return future
 
     def _connection(self, peer: WorkerInfo) -> transport.Connection:
@@ -454,7 +453,10 @@ class Agent:
         # Close its channel now: an open channel left to the garbage collector
         # can hang the interpreter's exit in gRPC's finalizer.
         connection.release()
-        reason = error or PeerUnavailableError(f"stream to {peer.name} closed")
+        if self._stopped:  # our own shutdown ended the stream: say so, not "peer unreachable"
+            reason: BaseException = RpcError(f"rrpc on {self.info.name} shut down")
+        else:
+            reason = error or PeerUnavailableError(f"stream to {peer.name} closed")
         for request_id, pending in list(self._pending.items()):
             if pending.peer.id == peer.id:
                 failure = type(reason)(f"{pending.what} on {peer.name} failed: {reason}")
@@ -557,12 +559,12 @@ class Agent:
             connections = list(self._connections.values())
             self._connections.clear()
             opened, self._opened = self._opened, []
+        for request_id in list(self._pending):
+            self._fail(request_id, RpcError(f"rrpc on {self.info.name} shut down"))
         for connection in connections:
             connection.close() if graceful else connection.abort()
         for connection in opened:  # broken ones too: an open channel can hang exit
             connection.release()
-        for request_id in list(self._pending):
-            self._fail(request_id, RpcError(f"rrpc on {self.info.name} shut down"))
         self.server.stop(1.0 if graceful else 0)
         if self.shm_pool is not None:
             self.shm_pool.close()

@@ -54,6 +54,13 @@ DTYPES: list[torch.dtype] = [
     torch.uint16, torch.uint32, torch.uint64,
     torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
 ]  # fmt: skip
+# Newer dtypes, where this torch has them (appended: indices above stay stable).
+DTYPES += [
+    getattr(torch, name)
+    for name in ("float8_e8m0fnu", "float4_e2m1fn_x2", "bits8", "bits16", "bits1x8", "bits2x4",
+                 "bits4x2")
+    if hasattr(torch, name)
+]  # fmt: skip
 DTYPE_INDEX = {dtype: index for index, dtype in enumerate(DTYPES)}
 
 
@@ -314,6 +321,12 @@ def loads(
         _state.peer, _state.tensor_hook = previous
 
 
+def _declared_size(envelope: Envelope) -> int:
+    """The bytes a frame's envelope announces: stream and shared-memory buffers."""
+    shared = sum(buffer.size for buffer in envelope.shared_buffers.values())
+    return envelope.payload_size + sum(envelope.buffer_sizes) + shared
+
+
 class FrameReader:
     """Reassembles frames from a stream's packets, whatever their cut.
 
@@ -378,7 +391,7 @@ class FrameReader:
         payload_end = body + envelope.payload_size
         frame_end = payload_end + sum(sizes)
         if frame_end > end or envelope.shared_buffers:
-            return None
+            return None  # also checks the size limit, counting shared buffers
         if self.max_message_size and frame_end - body > self.max_message_size:
             return None  # the general path raises the error
         buffers = []
@@ -413,7 +426,7 @@ class FrameReader:
             envelope.ParseFromString(bytes(self._head[HEADER.size :]))
         except Exception as exc:
             raise ProtocolError(f"unparseable envelope: {exc}") from exc
-        size = envelope.payload_size + sum(envelope.buffer_sizes)
+        size = _declared_size(envelope)
         if self.max_message_size and size > self.max_message_size:
             raise MessageTooLargeError(
                 f"incoming message of {size} bytes exceeds max_message_size="

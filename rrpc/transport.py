@@ -116,6 +116,7 @@ class Connection:
     ):
         self.peer_name = peer_name
         self.closed = False  # set once the stream has ended, before on_close runs
+        self.error: BaseException | None = None  # why it ended, when it failed
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         if credentials is None:
             self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
@@ -143,6 +144,7 @@ class Connection:
         except Exception as exc:  # a malformed frame from the peer
             error = PeerUnavailableError(f"stream from {self.peer_name} broke: {exc}")
             self._call.cancel()
+        self.error = error
         self.closed = True
         self._on_close(self, error)  # may run before __init__ returned: pass self
 

@@ -1,0 +1,327 @@
+"""The codec on its own: message -> frame pieces -> packets -> FrameReader -> message.
+
+No processes and no sockets: bytes in, frames out. The multi-process tests
+(test_core.py) show the same properties across real workers.
+"""
+
+import pickle
+import re
+import struct
+import threading
+import warnings
+
+import pytest
+import torch
+
+from rrpc import codec
+from rrpc._proto.rrpc_pb2 import Envelope, SharedBuffer
+from rrpc.codec import FrameReader, ProtocolError
+from rrpc.messages import CALL, REPLY, MessageTooLargeError, SerializationError
+
+QUANTIZED_DTYPES = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
+
+
+def _creatable_cpu_dtypes() -> list[torch.dtype]:
+    """Every dtype torch has that a CPU tensor can hold, found by asking torch.
+
+    Quantized dtypes are left out: their tensors carry a scale and zero point
+    and are not made from raw bytes.
+    """
+    found = set()
+    for name in dir(torch):
+        dtype = getattr(torch, name)
+        if not isinstance(dtype, torch.dtype) or dtype in QUANTIZED_DTYPES:
+            continue
+        try:
+            # The sub-byte placeholders (int1..int7, uint1..uint7) have no kernels, not even copy.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "ComplexHalf support is experimental"
+                torch.zeros(16, dtype=torch.uint8).view(dtype).clone()
+        except Exception:
+            continue
+        found.add(dtype)
+    return sorted(found, key=str)
+
+
+ALL_DTYPES = _creatable_cpu_dtypes()
+# Dtypes whose values torch can compare (torch.equal); the others are compared by bytes.
+COMPARABLE_DTYPES = [
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.uint16, torch.uint32, torch.uint64,
+    torch.float16, torch.bfloat16, torch.float32, torch.float64,
+    torch.complex64, torch.complex128,
+]  # fmt: skip
+
+
+def sample(dtype: torch.dtype, shape=(3, 5)) -> torch.Tensor:
+    """A tensor of `dtype` with varied, reproducible contents (no NaN for comparable dtypes)."""
+    generator = torch.Generator().manual_seed(1234)
+    count = 1
+    for size in shape:
+        count *= size
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=generator).bool()
+    if dtype in COMPARABLE_DTYPES and (dtype.is_floating_point or dtype.is_complex):
+        values = torch.randn(shape, dtype=torch.float64, generator=generator) * 100
+        if dtype.is_complex:
+            values = torch.complex(values, -values)
+        return values.to(dtype)
+    if dtype in COMPARABLE_DTYPES:
+        info = torch.iinfo(dtype)
+        low, high = max(info.min, -(2**62)), min(info.max, 2**62)
+        return torch.randint(low, high, shape, dtype=torch.int64, generator=generator).to(dtype)
+    # Exotic dtypes: random bytes reinterpreted.
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (count * itemsize,), dtype=torch.uint8, generator=generator)
+    return raw.view(dtype).reshape(shape)
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and bytes(a.contiguous().view(torch.uint8).numpy())
+        == bytes(b.contiguous().view(torch.uint8).numpy())
+    )
+
+
+def round_trip(obj, packet_size: int = 1 << 20, max_message_size: int = 0):
+    """Encode `obj`, cut it into packets, reassemble and decode it; return (decoded, Outgoing)."""
+    out = codec.encode(CALL, 7, obj)
+    reader = FrameReader(max_message_size)
+    frames = [
+        frame
+        for packet in codec.packets(iter(out.pieces), packet_size)
+        for frame in reader.feed(packet)
+    ]
+    assert len(frames) == 1
+    assert frames[0].envelope.kind == CALL
+    assert frames[0].envelope.request_id == 7
+    return codec.loads(frames[0]), out
+
+
+# -- dtypes and shapes ---------------------------------------------------------
+
+
+def test_dtype_discovery_finds_the_common_dtypes():
+    assert set(COMPARABLE_DTYPES) | {torch.complex32, torch.float8_e4m3fn} <= set(ALL_DTYPES)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_every_cpu_dtype_round_trips_bit_exact(dtype):
+    tensor = sample(dtype)
+    received, _ = round_trip(tensor)
+    assert received.dtype == dtype
+    assert received.shape == tensor.shape
+    assert same_bytes(received, tensor)
+    if dtype in COMPARABLE_DTYPES:
+        assert torch.equal(received, tensor)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_every_cpu_dtype_travels_as_an_out_of_band_buffer_of_its_exact_bytes(dtype):
+    tensor = sample(dtype)
+    out = codec.encode(CALL, 1, tensor)
+    assert [len(piece) for piece in out.pieces[1:]] == [tensor.numel() * tensor.element_size()]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda: torch.tensor(3.5), id="0-dim"),
+        pytest.param(lambda: torch.tensor(7, dtype=torch.int64), id="0-dim-int"),
+        pytest.param(lambda: torch.empty(0), id="empty"),
+        pytest.param(lambda: torch.empty(3, 0, 2, dtype=torch.int16), id="empty-3d"),
+        pytest.param(lambda: torch.arange(24.0).reshape(4, 6).t(), id="transposed"),
+        pytest.param(lambda: torch.arange(100, dtype=torch.int32)[5:60:7], id="strided-slice"),
+        pytest.param(
+            lambda: torch.arange(120.0).reshape(2, 3, 4, 5).permute(3, 1, 0, 2), id="permuted"
+        ),
+        pytest.param(lambda: torch.ones(1, 3).expand(4, 3), id="expanded-stride-0"),
+        pytest.param(lambda: torch.arange(8.0).reshape(2, 4)[:, 1:3], id="narrowed"),
+        pytest.param(
+            lambda: torch.complex(torch.arange(4.0), torch.ones(4)).conj(), id="conj-view"
+        ),
+        pytest.param(lambda: torch.arange(4.0)._neg_view(), id="neg-view"),
+        pytest.param(lambda: torch.arange(10.0).flip(0)[2:], id="offset-view"),
+        pytest.param(
+            lambda: (
+                torch.arange(2 * 3 * 4 * 5.0)
+                .reshape(2, 3, 4, 5)
+                .to(memory_format=torch.channels_last)
+            ),
+            id="channels-last",
+        ),
+    ],
+)
+def test_special_shapes_and_views_arrive_with_their_values_and_shape(make):
+    tensor = make()
+    received, out = round_trip(tensor, packet_size=13)
+    assert received.shape == tensor.shape
+    assert received.dtype == tensor.dtype
+    assert torch.equal(received, tensor.resolve_conj().resolve_neg())
+    # Only the bytes the tensor views travel, never its whole storage.
+    assert sum(len(piece) for piece in out.pieces[1:]) == tensor.numel() * tensor.element_size()
+
+
+def test_view_of_a_large_storage_sends_only_the_viewed_bytes():
+    storage = torch.arange(1_000_000, dtype=torch.float32)  # 4 MB
+    column = storage.view(1000, 1000)[:, 3]  # 1000 elements, stride 1000
+    received, out = round_trip((column, storage[10:20]))
+    assert [len(piece) for piece in out.pieces[1:]] == [4000, 40]
+    assert out.size < 5000 + 40 + 1000  # envelope and pickle are small
+    assert torch.equal(received[0], column)
+    assert torch.equal(received[1], torch.arange(10, 20, dtype=torch.float32))
+
+
+def test_received_tensor_is_writable_and_owns_its_memory():
+    tensor = torch.arange(6.0)
+    received, _ = round_trip(tensor)
+    received += 1  # no read-only warning, no error
+    assert torch.equal(received, torch.arange(1.0, 7.0))
+    assert torch.equal(tensor, torch.arange(6.0))
+
+
+def test_nested_containers_of_tensors_keep_their_structure():
+    a, b = torch.ones(2, 2), torch.arange(3)
+    message = {"list": [a, (b, {"deep": [a * 2]})], "scalar": 4, "none": None, "str": "x"}
+    received, _ = round_trip(message)
+    assert set(received) == {"list", "none", "scalar", "str"}
+    assert torch.equal(received["list"][0], a)
+    assert torch.equal(received["list"][1][0], b)
+    assert torch.equal(received["list"][1][1]["deep"][0], a * 2)
+    assert (received["scalar"], received["none"], received["str"]) == (4, None, "x")
+    assert isinstance(received["list"][1], tuple)
+
+
+def test_same_tensor_twice_is_sent_once_and_arrives_as_one_object():
+    tensor = torch.arange(1000, dtype=torch.int64)
+    received, out = round_trip([tensor, tensor])
+    assert [len(piece) for piece in out.pieces[1:]] == [8000]
+    assert received[0] is received[1]
+
+
+def test_parameter_arrives_as_parameter_with_requires_grad():
+    parameter = torch.nn.Parameter(torch.arange(4.0))
+    received, _ = round_trip(parameter)
+    assert type(received) is torch.nn.Parameter
+    assert received.requires_grad
+    assert torch.equal(received.detach(), torch.arange(4.0))
+
+
+def test_lambda_and_closure_are_sent_by_value():
+    offset = 10
+    received, _ = round_trip((lambda x: x + offset, lambda: offset * 2))
+    assert received[0](torch.tensor(1)).item() == 11
+    assert received[1]() == 20
+
+
+# -- packets and the frame reader ----------------------------------------------
+
+
+@pytest.mark.parametrize("packet_size", [1, 3, 64, 4096, 1 << 22])
+def test_frames_reassemble_whatever_the_packet_size(packet_size):
+    messages = [torch.arange(i * 100, dtype=torch.float64) for i in range(5)]
+    pieces = []
+    for request_id, tensor in enumerate(messages):
+        pieces += codec.encode(REPLY, request_id, {"t": tensor, "i": request_id}).pieces
+    reader = FrameReader()
+    frames = [f for p in codec.packets(iter(pieces), packet_size) for f in reader.feed(p)]
+    assert [f.envelope.request_id for f in frames] == [0, 1, 2, 3, 4]
+    for request_id, frame in enumerate(frames):
+        decoded = codec.loads(frame)
+        assert decoded["i"] == request_id
+        assert torch.equal(decoded["t"], messages[request_id])
+
+
+def test_packets_are_never_larger_than_the_packet_size():
+    pieces = codec.encode(CALL, 1, torch.zeros(10_000, dtype=torch.uint8)).pieces
+    sizes = [len(p) for p in codec.packets(iter(pieces), 4096)]
+    assert max(sizes) == 4096
+    assert sum(sizes) == sum(len(p) for p in pieces)
+
+
+def test_tensor_larger_than_grpc_default_4mib_arrives_exact_through_2mib_packets():
+    tensor = torch.randn(3 << 20, generator=torch.Generator().manual_seed(5))  # 12 MiB
+    received, out = round_trip(tensor, packet_size=2 << 20)
+    assert out.size > 12 << 20
+    assert torch.equal(received, tensor)
+
+
+def _raw_frame(envelope: Envelope, payload: bytes, buffers=()) -> bytes:
+    head = envelope.SerializeToString()
+    return struct.pack("<I", len(head)) + head + payload + b"".join(buffers)
+
+
+def test_encode_over_max_message_size_names_both_sizes():
+    tensor = torch.zeros(10_000, dtype=torch.uint8)
+    with pytest.raises(MessageTooLargeError) as error:
+        codec.encode(CALL, 1, tensor, max_message_size=5000)
+    match = re.search(r"message of (\d+) bytes.*max_message_size=5000", str(error.value))
+    assert match is not None, str(error.value)
+    assert 10_000 <= int(match.group(1)) <= 10_200
+
+
+def test_reader_rejects_an_incoming_message_over_max_message_size_before_reading_its_body():
+    envelope = Envelope(kind=CALL, request_id=1, payload_size=10, buffer_sizes=[1 << 40])
+    head = envelope.SerializeToString()
+    reader = FrameReader(max_message_size=1 << 20)
+    with pytest.raises(MessageTooLargeError) as error:
+        reader.feed(struct.pack("<I", len(head)) + head)  # no body at all: sizes alone decide
+    assert str((1 << 40) + 10) in str(error.value)
+    assert f"max_message_size={1 << 20}" in str(error.value)
+
+
+def test_reader_counts_shared_memory_buffers_against_max_message_size():
+    # A buffer that travels through shared memory has size 0 on the stream;
+    # the limit is about the message, so its descriptor's size counts.
+    envelope = Envelope(kind=CALL, request_id=1, payload_size=0, buffer_sizes=[0])
+    envelope.shared_buffers[0].CopyFrom(SharedBuffer(segment="1/3", offset=64, size=1 << 30))
+    attached = []
+    reader = FrameReader(max_message_size=1 << 20, attach=lambda shared: attached.append(shared))
+    with pytest.raises(MessageTooLargeError) as error:
+        reader.feed(_raw_frame(envelope, b""))
+    assert str(1 << 30) in str(error.value)
+    assert f"max_message_size={1 << 20}" in str(error.value)
+    assert attached == []  # rejected before mapping anything
+
+
+def test_reader_rejects_an_absurd_envelope_size():
+    reader = FrameReader()
+    with pytest.raises(ProtocolError) as error:
+        reader.feed(struct.pack("<I", 0xFFFFFFF0) + b"x" * 16)
+    assert str(0xFFFFFFF0) in str(error.value)
+
+
+def test_reader_rejects_an_unparseable_envelope():
+    reader = FrameReader()
+    with pytest.raises(ProtocolError) as error:
+        reader.feed(struct.pack("<I", 8) + b"\xff" * 8)
+    assert "envelope" in str(error.value)
+
+
+def test_garbage_payload_is_a_serialization_error_not_a_crash():
+    envelope = Envelope(kind=CALL, request_id=3, payload_size=6)
+    (frame,) = FrameReader().feed(_raw_frame(envelope, b"\x80\x05junk"))
+    with pytest.raises(SerializationError) as error:
+        codec.loads(frame, peer="worker9")
+    assert "worker9" in str(error.value)
+
+
+def test_unpicklable_argument_is_a_serialization_error_naming_the_function():
+    def remote_function(x):
+        return x
+
+    with pytest.raises(SerializationError) as error:
+        codec.encode(CALL, 1, (remote_function, (threading.Lock(),), {}))
+    assert "remote_function" in str(error.value)
+    assert "lock" in str(error.value)
+
+
+def test_pickled_tensor_outside_rrpc_still_loads():
+    # A tensor pickled by the codec's reducer with in-band buffers (as a user
+    # might do with plain pickle on a message) is rebuilt from bytes.
+    payload, buffers, _ = codec.dumps(torch.arange(5))
+    assert len(buffers) == 1
+    rebuilt = pickle.loads(payload, buffers=[bytes(b.raw()) for b in buffers])
+    assert torch.equal(rebuilt, torch.arange(5))

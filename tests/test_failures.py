@@ -1,0 +1,521 @@
+"""Failures surface as clear errors, promptly, and the workers keep serving.
+
+Timeouts, remote exceptions, values that do not pickle, a peer that dies,
+shutdown with calls in flight, init again after shutdown, and set-up errors
+(duplicate name, rank out of range, a rank that never joins).
+
+Each world is started once per module fixture and records what it saw; the
+tests then assert on those records, one behaviour per test.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+import time
+
+import pytest
+import torch
+
+import rrpc
+from harness import WorkerGroup, free_port, mp_context, run_workers
+
+# -- Functions the workers run -------------------------------------------------
+
+
+def _whoami():
+    return rrpc.get_worker_info().name
+
+
+def _echo(value):
+    return value
+
+
+def _sleep_then_return(seconds, value):
+    time.sleep(seconds)  # a slow remote function
+    return value
+
+
+def _raise_value_error(x):
+    raise ValueError(f"bad value {x}")
+
+
+class _CustomError(RuntimeError):
+    """Importable on both sides: re-raised as itself."""
+
+
+def _raise_custom_error():
+    raise _CustomError("custom failure", 17)
+
+
+class _TwoArgError(Exception):
+    """Pickles, but cannot be unpickled: BaseException.__reduce__ replays only self.args."""
+
+    def __init__(self, code, detail):
+        super().__init__(f"{code}: {detail}")
+
+
+def _raise_two_arg_error():
+    raise _TwoArgError("E7", "the detail")
+
+
+def _raise_local_class():
+    class LocalError(Exception):
+        pass
+
+    raise LocalError("only the callee knows this type")
+
+
+def _make_lock():
+    return threading.Lock()
+
+
+class _RefusesToLoad:
+    """Pickles fine; unpickling it (on the callee) raises."""
+
+    def __reduce__(self):
+        return (_refuse, ("refuse to load",))
+
+
+def _refuse(message):
+    raise RuntimeError(message)
+
+
+def _outcome(call, *args, **kwargs):
+    """What a call did: its value or its error, and how long it took."""
+    start = time.monotonic()
+    try:
+        value = call(*args, **kwargs)
+        return {"value": value, "elapsed": time.monotonic() - start, "finished at": time.time()}
+    except BaseException as exc:
+        return {
+            "type": type(exc).__name__,
+            "types": [c.__name__ for c in type(exc).__mro__],
+            "message": str(exc),
+            "remote_traceback": getattr(exc, "remote_traceback", None),
+            "notes": list(getattr(exc, "__notes__", [])),
+            "attributes": {
+                key: getattr(exc, key)
+                for key in ("type_name", "remote_message")
+                if hasattr(exc, key)
+            },
+            "elapsed": time.monotonic() - start,
+            "finished at": time.time(),
+        }
+
+
+# -- Timeouts, remote exceptions, unpicklable values (one world) -----------------
+
+DEFAULT_TIMEOUT = 1.0
+
+
+def _provoke_errors(rank, world_size):
+    if rank != 0:
+        return None
+    seen = {}
+    seen["explicit timeout"] = _outcome(
+        rrpc.rpc_sync, "worker1", _sleep_then_return, args=(4, "late"), timeout=0.5
+    )
+    seen["default timeout"] = _outcome(
+        lambda: rrpc.rpc_async("worker1", _sleep_then_return, args=(4, "late")).wait()
+    )
+    seen["no timeout"] = _outcome(
+        rrpc.rpc_sync, "worker1", _sleep_then_return, args=(1.5, "on time"), timeout=0
+    )
+    seen["after timeouts"] = _outcome(rrpc.rpc_sync, "worker1", _whoami)
+    seen["timeouts counted"] = rrpc.stats()["worker1"]["timeouts"]
+
+    seen["value error"] = _outcome(rrpc.rpc_sync, "worker1", _raise_value_error, args=(42,))
+    seen["custom error"] = _outcome(rrpc.rpc_sync, "worker1", _raise_custom_error)
+    seen["custom error args"] = None
+    try:
+        rrpc.rpc_sync("worker1", _raise_custom_error)
+    except _CustomError as exc:
+        seen["custom error args"] = exc.args
+    seen["two-arg error"] = _outcome(rrpc.rpc_sync, "worker1", _raise_two_arg_error)
+    seen["local error"] = _outcome(rrpc.rpc_sync, "worker1", _raise_local_class)
+    seen["async error"] = _outcome(
+        lambda: rrpc.rpc_async("worker1", _raise_value_error, args=(5,)).wait()
+    )
+
+    seen["lock argument"] = _outcome(rrpc.rpc_sync, "worker1", _echo, args=(threading.Lock(),))
+    seen["after lock argument"] = _outcome(rrpc.rpc_sync, "worker1", _echo, args=(torch.ones(2),))
+    seen["argument that fails to load"] = _outcome(
+        rrpc.rpc_sync, "worker1", _echo, args=(_RefusesToLoad(),)
+    )
+    seen["after argument that fails to load"] = _outcome(rrpc.rpc_sync, "worker1", _whoami)
+    seen["lock result"] = _outcome(rrpc.rpc_sync, "worker1", _make_lock)
+    seen["after lock result"] = _outcome(rrpc.rpc_sync, "worker1", _whoami)
+    seen["lock result to self"] = _outcome(rrpc.rpc_sync, "worker0", _make_lock)
+    seen["after lock result to self"] = _outcome(rrpc.rpc_sync, "worker0", _whoami)
+    return seen
+
+
+@pytest.fixture(scope="module")
+def errors():
+    options = rrpc.RpcBackendOptions(rpc_timeout=DEFAULT_TIMEOUT)
+    return run_workers(_provoke_errors, 2, backend_options=options, timeout=60)[0]
+
+
+def test_call_past_its_timeout_fails_within_twice_the_timeout_naming_peer_and_function(errors):
+    seen = errors["explicit timeout"]
+    assert seen["type"] == "RpcTimeoutError"
+    assert "TimeoutError" in seen["types"] and "RpcError" in seen["types"]
+    assert 0.5 <= seen["elapsed"] < 1.0
+    assert "_sleep_then_return" in seen["message"]
+    assert "worker1" in seen["message"]
+    assert "timed out after 0.5 s" in seen["message"]
+
+
+def test_default_timeout_is_rpc_timeout_of_the_options(errors):
+    seen = errors["default timeout"]
+    assert seen["type"] == "RpcTimeoutError"
+    assert DEFAULT_TIMEOUT <= seen["elapsed"] < 2 * DEFAULT_TIMEOUT
+    assert f"timed out after {DEFAULT_TIMEOUT:g} s" in seen["message"]
+
+
+def test_timeout_zero_waits_as_long_as_the_call_takes(errors):
+    assert errors["no timeout"]["value"] == "on time"
+    assert errors["no timeout"]["elapsed"] >= 1.5
+
+
+def test_worker_keeps_serving_after_timeouts_and_counts_them(errors):
+    assert errors["after timeouts"]["value"] == "worker1"
+    assert errors["timeouts counted"] == 2
+
+
+def test_remote_exception_reraises_with_its_type_message_and_remote_traceback(errors):
+    seen = errors["value error"]
+    assert seen["type"] == "ValueError"
+    assert seen["message"] == "bad value 42"
+    traceback_text = seen["remote_traceback"]
+    assert "in _raise_value_error" in traceback_text
+    assert 'raise ValueError(f"bad value {x}")' in traceback_text
+    assert traceback_text.rstrip().endswith("ValueError: bad value 42")
+    (note,) = seen["notes"]
+    assert note.startswith("\nRemote traceback (on worker1):\n")
+    assert "in _raise_value_error" in note
+    assert errors["async error"]["type"] == "ValueError"
+    assert errors["async error"]["message"] == "bad value 5"
+
+
+def test_user_exception_class_reraises_as_itself_with_its_args(errors):
+    assert errors["custom error"]["type"] == "_CustomError"
+    assert errors["custom error args"] == ("custom failure", 17)
+    assert "in _raise_custom_error" in errors["custom error"]["remote_traceback"]
+
+
+def test_exception_that_cannot_be_unpickled_on_the_caller_becomes_remote_error(errors):
+    seen = errors["two-arg error"]
+    assert seen["type"] == "RemoteError"
+    assert "RpcError" in seen["types"]
+    assert seen["attributes"]["type_name"].endswith("._TwoArgError")
+    assert seen["attributes"]["remote_message"] == "E7: the detail"
+    assert seen["message"].endswith("._TwoArgError: E7: the detail")
+    assert "in _raise_two_arg_error" in seen["remote_traceback"]
+
+
+def test_exception_whose_class_exists_only_on_the_callee_becomes_remote_error(errors):
+    seen = errors["local error"]
+    assert seen["type"] == "RemoteError"
+    assert seen["attributes"]["type_name"].endswith("_raise_local_class.<locals>.LocalError")
+    assert seen["attributes"]["remote_message"] == "only the callee knows this type"
+    assert "in _raise_local_class" in seen["remote_traceback"]
+
+
+def test_unpicklable_argument_fails_on_the_caller_naming_the_function_then_calls_work(errors):
+    seen = errors["lock argument"]
+    assert seen["type"] == "SerializationError"
+    assert "RpcError" in seen["types"] and "TypeError" in seen["types"]
+    assert "_echo" in seen["message"]
+    assert "lock" in seen["message"]
+    assert seen["elapsed"] < 0.5  # refused before sending, not after a timeout
+    assert torch.equal(errors["after lock argument"]["value"], torch.ones(2))
+
+
+def test_argument_the_callee_cannot_unpickle_fails_clearly_and_the_callee_keeps_serving(errors):
+    seen = errors["argument that fails to load"]
+    assert seen["type"] == "SerializationError"
+    assert "refuse to load" in seen["message"]
+    assert errors["after argument that fails to load"]["value"] == "worker1"
+
+
+def test_unpicklable_result_fails_clearly_on_the_caller_and_the_callee_keeps_serving(errors):
+    for target in ("", " to self"):
+        seen = errors["lock result" + target]
+        assert seen["type"] == "SerializationError", target
+        assert "cannot pickle a value of type lock" in seen["message"], target
+    assert errors["after lock result"]["value"] == "worker1"
+    assert errors["after lock result to self"]["value"] == "worker0"
+
+
+# -- A peer dies ---------------------------------------------------------------
+
+_started = []
+_never = threading.Event()
+
+
+def _block_until_killed():
+    _started.append(1)
+    _never.wait()
+
+
+def _count_started():
+    return len(_started)
+
+
+def _wait_for(condition, timeout, what):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not happen within {timeout} s")
+        time.sleep(0.05)  # polling a condition with a deadline
+
+
+def _call_the_peer_that_dies(rank, world_size, ready, killed):
+    rrpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size)
+    if rank == 1:
+        _never.wait()  # the test kills this worker
+    pending = [rrpc.rpc_async("worker1", _block_until_killed) for _ in range(3)]
+    if rank == 0:
+        # worker0 and worker2 have three calls each running on worker1.
+        started = lambda: rrpc.rpc_sync("worker1", _count_started) == 6  # noqa: E731
+        _wait_for(started, 30, "six calls running on worker1")
+        ready.set()
+    assert killed.wait(60)
+    seen = {
+        "pending": [_outcome(future.wait) for future in pending],
+        "new calls": [_outcome(rrpc.rpc_sync, "worker1", _whoami) for _ in range(3)],
+        "others": _outcome(rrpc.rpc_sync, f"worker{2 - rank}", _whoami),
+    }
+    start = time.monotonic()
+    rrpc.shutdown()
+    seen["graceful shutdown took"] = time.monotonic() - start
+    return seen
+
+
+@pytest.fixture(scope="module")
+def peer_death():
+    """(what each rank saw, the wall-clock time just before worker1 was killed)."""
+    ready, killed = mp_context.Event(), mp_context.Event()
+    with WorkerGroup(_call_the_peer_that_dies, 3, args=(ready, killed), init=False) as group:
+        assert ready.wait(60), "worker0 never reported its calls as started"
+        killed_at = time.time()
+        group.kill(1)
+        killed.set()
+        return group.wait(timeout=60), killed_at
+
+
+def test_peer_death_fails_every_pending_call_within_seconds_naming_the_peer(peer_death):
+    results, killed_at = peer_death
+    for rank in (0, 2):
+        for seen in results[rank]["pending"]:
+            assert seen["type"] == "PeerUnavailableError", seen
+            assert "worker1" in seen["message"]
+            assert "_block_until_killed" in seen["message"]
+            assert seen["finished at"] - killed_at < 5.0  # not the 60 s default timeout
+
+
+def test_calls_to_a_dead_peer_fail_fast(peer_death):
+    results, _ = peer_death
+    for rank in (0, 2):
+        for seen in results[rank]["new calls"]:
+            assert seen["type"] == "PeerUnavailableError", seen
+            assert "worker1" in seen["message"]
+            assert seen["elapsed"] < 2.0
+
+
+def test_survivors_keep_talking_and_shut_down_gracefully_after_a_peer_died(peer_death):
+    results, _ = peer_death
+    assert results[0]["others"]["value"] == "worker2"
+    assert results[2]["others"]["value"] == "worker0"
+    for rank in (0, 2):
+        assert results[rank]["graceful shutdown took"] < 20.0
+
+
+# -- Shutdown and init again (one world) ------------------------------------------
+
+_unblock = threading.Event()
+
+
+def _block_until_unblocked():
+    _unblock.wait(30)
+    return "unblocked"
+
+
+def _unblock_here():
+    _unblock.set()
+
+
+def _shutdown_and_init_again(rank, world_size, second_port, third_port, fourth_port, stopped):
+    other = f"worker{1 - rank}"
+    seen = {}
+
+    # 1. Graceful shutdown while calls are in flight in both directions.
+    rrpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size)
+    in_flight = [
+        rrpc.rpc_async(other, _sleep_then_return, args=(0.2 + 0.01 * i, i)) for i in range(20)
+    ]
+    rrpc.shutdown()
+    seen["done after graceful shutdown"] = [f.done() for f in in_flight]
+    seen["values"] = [f.wait() for f in in_flight]
+
+    # 2. Init again in the same process, on a new rendezvous port, rank and
+    #    world size from the environment as torchrun sets them.
+    os.environ["MASTER_PORT"] = str(second_port)
+    rrpc.init_rpc(f"worker{rank}")
+    seen["after init again"] = rrpc.rpc_sync(other, torch.add, args=(torch.ones(2), rank))
+    seen["name after init again"] = rrpc.rpc_sync(other, _whoami)
+    rrpc.shutdown()
+
+    # 3. Shutdown that is not graceful fails the calls still pending.
+    os.environ["MASTER_PORT"] = str(third_port)
+    rrpc.init_rpc(f"worker{rank}")
+    if rank == 0:
+        pending = [rrpc.rpc_async(other, _block_until_unblocked) for _ in range(3)]
+        start = time.monotonic()
+        rrpc.shutdown(graceful=False)
+        seen["not graceful"] = [_outcome(f.wait) for f in pending]
+        seen["not graceful took"] = time.monotonic() - start
+        seen["call after shutdown"] = _outcome(rrpc.rpc_sync, other, _whoami)
+        stopped.set()
+    else:
+        assert stopped.wait(30)
+        _unblock.set()
+        rrpc.shutdown(graceful=False)
+
+    # 4. As in torch, timeout=0 means no limit: a worker with nothing left to do
+    #    waits in shutdown for one that is still working (a parameter server
+    #    typically waits there for the whole training run).
+    os.environ["MASTER_PORT"] = str(fourth_port)
+    rrpc.init_rpc(f"worker{rank}")
+    if rank == 0:
+        time.sleep(2.0)  # still working
+        rrpc.shutdown()
+    else:
+        seen["shutdown without a time limit"] = _outcome(rrpc.shutdown, timeout=0)
+    return seen
+
+
+@pytest.fixture(scope="module")
+def lifecycle():
+    stopped = mp_context.Event()
+    ports = (free_port(), free_port(), free_port())
+    return run_workers(_shutdown_and_init_again, 2, args=(*ports, stopped), init=False, timeout=90)
+
+
+def test_graceful_shutdown_completes_every_call_in_flight(lifecycle):
+    for rank in (0, 1):
+        assert lifecycle[rank]["done after graceful shutdown"] == [True] * 20
+        assert lifecycle[rank]["values"] == list(range(20))
+
+
+def test_init_again_in_the_same_process_after_shutdown_works(lifecycle):
+    assert torch.equal(lifecycle[0]["after init again"], torch.full((2,), 1.0))
+    assert torch.equal(lifecycle[1]["after init again"], torch.full((2,), 2.0))
+    assert lifecycle[0]["name after init again"] == "worker1"
+    assert lifecycle[1]["name after init again"] == "worker0"
+
+
+def test_shutdown_not_graceful_fails_pending_calls_at_once(lifecycle):
+    seen = lifecycle[0]
+    for outcome in seen["not graceful"]:
+        assert outcome["type"] == "RpcError"
+        assert "worker0" in outcome["message"] and "shut down" in outcome["message"]
+    assert seen["not graceful took"] < 3.0
+    assert seen["call after shutdown"]["type"] == "RpcError"
+    assert "not been initialized" in seen["call after shutdown"]["message"]
+
+
+def test_graceful_shutdown_with_timeout_zero_waits_for_a_worker_still_working(lifecycle):
+    seen = lifecycle[1]["shutdown without a time limit"]
+    assert seen.get("type") is None, seen
+    assert seen["elapsed"] >= 1.5
+
+
+def test_shutdown_waits_without_a_time_limit_by_default_like_torch():
+    import inspect
+
+    import torch.distributed.rpc as torch_rpc
+
+    def default(shutdown):
+        return inspect.signature(shutdown).parameters["timeout"].default
+
+    assert default(rrpc.shutdown) == default(torch_rpc.shutdown) == 0
+
+
+# -- Set-up errors -------------------------------------------------------------
+
+
+def _init_and_report(rank, world_size, name, options):
+    start = time.monotonic()
+    try:
+        rrpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)
+    except Exception as exc:
+        return {
+            "type": type(exc).__name__,
+            "message": str(exc),
+            "elapsed": time.monotonic() - start,
+        }
+    rrpc.shutdown()
+    return {"value": "joined"}
+
+
+def _setup_errors(rank, world_size, lonely_ports):
+    seen = {"duplicate": _init_and_report(rank, world_size, "twin", None)}
+    # Then each rank alone founds a world of three on its own port; nobody else comes.
+    os.environ["MASTER_PORT"] = str(lonely_ports[rank])
+    options = rrpc.RpcBackendOptions(init_timeout=2.0)
+    seen["never joined"] = _init_and_report(0, 3, "alone", options)
+    return seen
+
+
+@pytest.fixture(scope="module")
+def setup_errors():
+    ports = [free_port(), free_port()]
+    return run_workers(_setup_errors, 2, args=(ports,), init=False, timeout=60)
+
+
+def test_duplicate_worker_name_is_rejected_on_every_rank_naming_the_duplicate(setup_errors):
+    for rank in (0, 1):
+        seen = setup_errors[rank]["duplicate"]
+        assert seen.get("type") == "RpcError", seen
+        assert seen["message"] == "duplicate worker name 'twin' used by ranks [0, 1]"
+
+
+def test_rendezvous_times_out_naming_the_ranks_that_never_joined(setup_errors):
+    for rank in (0, 1):
+        seen = setup_errors[rank]["never joined"]
+        assert seen.get("type") == "RpcError", seen
+        assert "timed out after 2 s" in seen["message"]
+        assert "rank(s) [1, 2] of world_size 3 never arrived" in seen["message"]
+        assert 2.0 <= seen["elapsed"] < 4.0
+
+
+@pytest.mark.parametrize(
+    ("rank", "world_size", "message"),
+    [
+        (2, 2, "rank 2 is out of range for world_size 2"),
+        (5, 3, "rank 5 is out of range for world_size 3"),
+        (0, 0, "world_size must be >= 1, got 0"),
+    ],
+)
+def test_rank_out_of_range_is_a_value_error_before_anything_starts(rank, world_size, message):
+    with pytest.raises(ValueError) as error:
+        rrpc.init_rpc("w", rank=rank, world_size=world_size)
+    assert str(error.value) == message
+
+
+def test_missing_rank_and_world_size_say_which_variable_to_set(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ValueError) as error:
+        rrpc.init_rpc("w", world_size=2)
+    assert "RANK" in str(error.value) and "rank=" in str(error.value)
+
+
+def test_pickle_of_the_two_arg_error_really_fails_to_load():
+    # Guards the premise of the RemoteError test above.
+    with pytest.raises(TypeError):
+        pickle.loads(pickle.dumps(_TwoArgError("E7", "the detail")))
