@@ -72,7 +72,7 @@ class Deferred:
 
     __slots__ = ("future",)
 
-    def __init__(self, future: torch.futures.Future):
+    def __init__(self, future: torch._C.Future):
         self.future = future
 
 
@@ -127,7 +127,7 @@ def rebuild_remote_exception(payload: tuple) -> BaseException:
             exc = None
     if not isinstance(exc, BaseException):
         exc = RemoteError(name, message, text)
-    exc.remote_traceback = text  # type: ignore[union-attr]
+    exc.remote_traceback = text  # type: ignore[attr-defined]
     if hasattr(exc, "add_note"):  # Python 3.11+
         exc.add_note(f"\nRemote traceback (on {where}):\n{text.rstrip()}")
     return exc
@@ -262,8 +262,8 @@ class Agent:
 
     def advertisement(self) -> dict[str, Any]:
         """What peers need to know of this worker besides its address."""
-        shared = self.shm_pool is not None
-        return {"host": shm.host_key(), "probe": self.shm_pool.probe.name if shared else ""}
+        probe = self.shm_pool.probe.name if self.shm_pool is not None else ""
+        return {"host": shm.host_key(), "probe": probe}
 
     # -- Peers -----------------------------------------------------------------
     def add_peer(self, info: WorkerInfo, address: str, advertised: dict[str, Any]) -> None:
@@ -313,7 +313,9 @@ class Agent:
         for rank in ranks:
             try:
                 peer = self._peers_by_rank[rank]
-                probes.append(self.send(peer, messages.CALL, (int, (), {}), timeout, "liveness probe"))
+                probes.append(
+                    self.send(peer, messages.CALL, (int, (), {}), timeout, "liveness probe")
+                )
             except RpcError:
                 continue
         for probe in probes:
@@ -486,7 +488,9 @@ class Agent:
         try:
             handler = self.handlers.get(envelope.kind)
             if handler is None:
-                raise RpcError(f"{self.info.name} has no handler for {messages.kind_name(envelope.kind)}")
+                raise RpcError(
+                    f"{self.info.name} has no handler for {messages.kind_name(envelope.kind)}"
+                )
             hook = None
             if context_id and self.autograd_hooks is not None:
                 key = (peer.id, envelope.request_id, False)
@@ -499,7 +503,9 @@ class Agent:
             thread_state.autograd_context_id = previous_context
         if isinstance(result, Deferred):
             result.future.add_done_callback(
-                lambda done: self._reply_future(done, peer, envelope.request_id, context_id, respond)
+                lambda done: self._reply_future(
+                    done, peer, envelope.request_id, context_id, respond
+                )
             )
         else:
             self._reply(result, peer, envelope.request_id, context_id, respond)
@@ -615,6 +621,10 @@ def _tls_credentials(options: RpcBackendOptions):
     if not all(files):
         raise ValueError("TLS needs tls_cert_file, tls_key_file and tls_ca_file together")
     cert, key, ca = (open(path, "rb").read() for path in files)  # type: ignore[arg-type]
-    server = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
-    channel = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+    server = grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=ca, require_client_auth=True
+    )
+    channel = grpc.ssl_channel_credentials(
+        root_certificates=ca, private_key=key, certificate_chain=cert
+    )
     return server, channel

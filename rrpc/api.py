@@ -73,7 +73,9 @@ def init_rpc(
     with _lock:
         if agent_module._current is not None:
             raise RpcError("RPC is already initialized in this process; call rrpc.shutdown() first")
-        rank, world_size, store_host, store_port = resolve_world(rank, world_size, options.init_method)
+        rank, world_size, store_host, store_port = resolve_world(
+            rank, world_size, options.init_method
+        )
         rendezvous = Rendezvous(rank, world_size, store_host, store_port, options.init_timeout)
         agent = None
         try:
@@ -198,7 +200,9 @@ def rpc_async(
         raise TypeError(f"func must be callable, not {type(func).__name__}")
     peer = agent.worker_info(to)
     what = f"call of {_name(func)}"
-    return agent.send(peer, CALL, (func, args or (), kwargs or {}), resolve_timeout(agent, timeout), what)
+    return agent.send(
+        peer, CALL, (func, args or (), kwargs or {}), resolve_timeout(agent, timeout), what
+    )
 
 
 def rpc_sync(

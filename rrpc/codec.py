@@ -119,7 +119,7 @@ def _tensor_bytes(tensor: torch.Tensor) -> pickle.PickleBuffer:
         tensor = tensor.reshape(-1)
     if tensor.dtype is not torch.uint8:
         tensor = tensor.view(torch.uint8)
-    return pickle.PickleBuffer(tensor.numpy())
+    return pickle.PickleBuffer(tensor.numpy())  # type: ignore[arg-type]
 
 
 def _rebuild_tensor(buffer: Any, dtype_index: int, shape: tuple, requires_grad: bool):
@@ -150,7 +150,12 @@ def _reduce_tensor(pickler: Any, obj: Any) -> Any:
     if obj.requires_grad and kind is torch.Tensor and pickler.grad_tensors is not None:
         pickler.grad_tensors.append(obj)
     rebuild = _rebuild_parameter if kind is torch.nn.Parameter else _rebuild_tensor
-    return rebuild, (_tensor_bytes(obj), DTYPE_INDEX[obj.dtype], tuple(obj.shape), obj.requires_grad)
+    return rebuild, (
+        _tensor_bytes(obj),
+        DTYPE_INDEX[obj.dtype],
+        tuple(obj.shape),
+        obj.requires_grad,
+    )
 
 
 class _NeedsCloudpickle(Exception):
@@ -196,7 +201,8 @@ _scratch = _Scratch()
 
 
 def _dump_with(pickler: Any, out: io.BytesIO, buffers: list, obj: Any) -> tuple:
-    pickler.grad_tensors = grad_tensors = []
+    grad_tensors: list[torch.Tensor] = []
+    pickler.grad_tensors = grad_tensors
     previous_undo, _state.undo = _state.undo, []
     try:
         pickler.dump(obj)
@@ -228,12 +234,12 @@ def dumps(obj: Any, peer: Any = None) -> tuple[bytes, list[pickle.PickleBuffer],
                 scratch.busy = False
         else:
             try:
-                out, buffers = io.BytesIO(), []
+                out, buffers = io.BytesIO(), list[pickle.PickleBuffer]()
                 pickler = _FastPickler(out, PICKLE_PROTOCOL, buffer_callback=buffers.append)
                 return _dump_with(pickler, out, buffers, obj)
             except _NeedsCloudpickle:
                 pass
-        out, buffers = io.BytesIO(), []
+        out, buffers = io.BytesIO(), list[pickle.PickleBuffer]()
         code_pickler = _CodePickler(out, PICKLE_PROTOCOL, buffer_callback=buffers.append)
         return _dump_with(code_pickler, out, buffers, obj)
     except (pickle.PicklingError, TypeError, AttributeError, RecursionError) as exc:
@@ -349,7 +355,7 @@ class FrameReader:
         self._filled = 0
 
     def feed(self, packet: bytes) -> list[Frame]:
-        frames = []
+        frames: list[Frame] = []
         view = memoryview(packet)
         position, end = 0, len(packet)
         while True:
@@ -429,8 +435,7 @@ class FrameReader:
         size = _declared_size(envelope)
         if self.max_message_size and size > self.max_message_size:
             raise MessageTooLargeError(
-                f"incoming message of {size} bytes exceeds max_message_size="
-                f"{self.max_message_size}"
+                f"incoming message of {size} bytes exceeds max_message_size={self.max_message_size}"
             )
         self._head.clear()
         self._envelope = envelope
@@ -459,7 +464,9 @@ class FrameReader:
             index = len(self._buffers)
             if envelope.shared_buffers and index in envelope.shared_buffers:
                 if self._attach is None:
-                    raise ProtocolError("shared-memory buffer on a stream that does not accept them")
+                    raise ProtocolError(
+                        "shared-memory buffer on a stream that does not accept them"
+                    )
                 self._buffers.append(self._attach(envelope.shared_buffers[index]))
                 self._target = None
                 continue

@@ -12,7 +12,9 @@ UNSET_RPC_TIMEOUT = -1.0  # "use the default"; 0 means "no timeout"
 
 def _env_flag(name: str, default: bool) -> bool:
     value = os.environ.get(name)
-    return default if value is None else value.strip().lower() not in ("0", "false", "no", "off", "")
+    return (
+        default if value is None else value.strip().lower() not in ("0", "false", "no", "off", "")
+    )
 
 
 @dataclass

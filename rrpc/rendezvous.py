@@ -59,7 +59,9 @@ def resolve_world(
     host = os.environ.get("MASTER_ADDR")
     port = os.environ.get("MASTER_PORT")
     if not host or not port:
-        raise ValueError("MASTER_ADDR and MASTER_PORT must be set (or pass init_method='tcp://...')")
+        raise ValueError(
+            "MASTER_ADDR and MASTER_PORT must be set (or pass init_method='tcp://...')"
+        )
     return rank, world_size, host, int(port)
 
 
@@ -105,7 +107,9 @@ class Rendezvous:
                 wait_for_workers=False,
             )
         except Exception as exc:
-            raise RpcError(f"rank {rank} cannot reach the rendezvous store at {self.where}: {exc}") from exc
+            raise RpcError(
+                f"rank {rank} cannot reach the rendezvous store at {self.where}: {exc}"
+            ) from exc
 
     def _keys(self, tag: str) -> list[str]:
         assert self.world_size is not None
@@ -146,7 +150,9 @@ class Rendezvous:
             if count > 1:
                 ranks = [rank for rank, entry in enumerate(table) if entry[0] == duplicate]
                 raise RpcError(f"duplicate worker name {duplicate!r} used by ranks {ranks}")
-        return [(WorkerInfo(entry[0], rank), entry[1], entry[2]) for rank, entry in enumerate(table)]
+        return [
+            (WorkerInfo(entry[0], rank), entry[1], entry[2]) for rank, entry in enumerate(table)
+        ]
 
     def lookup(self, worker: str | int) -> tuple[WorkerInfo, str, dict] | None:
         """A worker that joined, by name or rank; None if there is none."""
@@ -180,7 +186,7 @@ class Rendezvous:
         others every few seconds."""
         if self.world_size is None:
             return
-        self.store.set(f"{self.prefix}{tag}/{self.rank}", b"1")
+        self.store.set(f"{self.prefix}{tag}/{self.rank}", "1")
         counter = f"{self.prefix}{tag}/arrived"
         arrived = self.store.add(counter, 1)
         start = time.monotonic()
@@ -211,9 +217,11 @@ class Rendezvous:
     def close(self, timeout: float = 10.0) -> None:
         """Leave; the host keeps the store until every rank has left it."""
         try:
-            self.store.set(f"{self.prefix}left/{self.rank}", b"1")
+            self.store.set(f"{self.prefix}left/{self.rank}", "1")
             if self.hosting and self.world_size is not None:
-                keys = [key for rank, key in enumerate(self._keys("left")) if rank not in self._gone]
+                keys = [
+                    key for rank, key in enumerate(self._keys("left")) if rank not in self._gone
+                ]
                 self.store.wait(keys, timedelta(seconds=timeout))
         except Exception:
             pass  # a peer that died cannot leave; the store goes anyway

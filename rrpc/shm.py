@@ -27,7 +27,6 @@ import mmap
 import os
 import threading
 import weakref
-from typing import Any
 
 import numpy as np
 import torch
@@ -175,4 +174,3 @@ def tune_allocator() -> None:
         libc.mallopt(-1, 256 << 20)  # M_TRIM_THRESHOLD
     except (OSError, AttributeError):
         pass
-

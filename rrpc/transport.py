@@ -175,7 +175,9 @@ def _stream_error(exc: grpc.RpcError, peer_name: str) -> BaseException | None:
         return AuthenticationError(f"{peer_name} rejected this worker: {details}")
     if code == grpc.StatusCode.CANCELLED:
         return PeerUnavailableError(f"stream to {peer_name} was cancelled")
-    return PeerUnavailableError(f"{peer_name} is unreachable ({code.name if code else code}: {details})")
+    return PeerUnavailableError(
+        f"{peer_name} is unreachable ({code.name if code else code}: {details})"
+    )
 
 
 class Server:
@@ -238,7 +240,9 @@ class Server:
         def receive() -> None:
             try:
                 _read_frames(
-                    request_iterator, reader, lambda frame: self._on_frame(frame, peer_rank, respond)
+                    request_iterator,
+                    reader,
+                    lambda frame: self._on_frame(frame, peer_rank, respond),
                 )
             except grpc.RpcError:
                 pass  # the caller went away; its side reports it

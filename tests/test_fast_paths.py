@@ -13,8 +13,10 @@ import rrpc
 from harness import run_workers
 
 MiB = 1 << 20
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
-          torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128]  # fmt: skip
+DTYPES = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
+    torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128,
+]  # fmt: skip
 
 
 def echo(value):

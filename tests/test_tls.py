@@ -21,8 +21,9 @@ def _openssl(*args, cwd):
 def certificates(tmp_path_factory):
     """A CA and one worker certificate for 127.0.0.1, signed by it (PEM files)."""
     folder = tmp_path_factory.mktemp("tls")
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=rrpc-test-ca",
-             "-keyout", "ca.key", "-out", "ca.pem", cwd=folder)  # fmt: skip
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+             "-subj", "/CN=rrpc-test-ca", "-keyout", "ca.key", "-out", "ca.pem",
+             cwd=folder)  # fmt: skip
     _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=localhost",
              "-keyout", "worker.key", "-out", "worker.csr", cwd=folder)  # fmt: skip
     (folder / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
