@@ -13,6 +13,9 @@ machine, so one command runs an example end to end.
 ``rpc_framework("rrpc" | "torch")`` returns ``(rpc, dist_autograd,
 DistributedOptimizer)`` from either rrpc or ``torch.distributed``: the examples
 are written once against that API and run on both, which is the point of rrpc.
+An example that needs the framework at import time (a class decorated with
+``rpc.functions.async_execution``) reads ``--framework`` with
+``framework_from_argv()`` before argparse runs.
 """
 
 from __future__ import annotations
@@ -49,12 +52,9 @@ def rpc_framework(name: str) -> tuple[Any, Any, Any]:
         return rpc, dist_autograd, DistributedOptimizer
     if name == "rrpc":
         import rrpc
+        import rrpc.optim
 
-        try:
-            from rrpc.optim import DistributedOptimizer
-        except ImportError as error:  # examples that need no optimizer still run
-            DistributedOptimizer = _missing("rrpc.optim.DistributedOptimizer", error)
-        return rrpc, rrpc.autograd, DistributedOptimizer
+        return rrpc, rrpc.autograd, rrpc.optim.DistributedOptimizer
     raise ValueError(f"unknown RPC framework {name!r}: choose 'rrpc' or 'torch'")
 
 
@@ -71,13 +71,6 @@ def framework_from_argv(default: str = "rrpc") -> str:
         if arg.startswith("--framework="):
             return arg.split("=", 1)[1]
     return default
-
-
-def _missing(what: str, error: ImportError) -> Callable[..., Any]:
-    def unavailable(*args: Any, **kwargs: Any) -> Any:
-        raise ImportError(f"{what} is not available in this rrpc: {error}")
-
-    return unavailable
 
 
 # -- Launching the workers -----------------------------------------------------

@@ -12,8 +12,10 @@ Theory of operation
   whose ``grad_fn`` knows the context, the message key, the tensor's index in
   the message and the sender. Tensors that do not require grad cost nothing.
 - Backward. ``backward(ctx_id, roots)`` runs a *local pass* from the roots: one
-  ``torch.autograd.grad`` call whose inputs are the leaves and the recv nodes
-  reachable from the roots (found by walking ``grad_fn.next_functions``). Leaf
+  ``torch.autograd.backward(inputs=...)`` call whose inputs are the leaves and
+  the recv nodes reachable from the roots (found by walking
+  ``grad_fn.next_functions``); it runs the leaves' AccumulateGrad hooks, so DDP
+  averages gradients as usual (see ``_gradients``). Leaf
   gradients accumulate in the context. The gradients that reached recv nodes go,
   one AUTOGRAD_BACKWARD message per message key, to the senders; each sender
   runs a local pass from the tensors of its send record, which may reach its
@@ -26,7 +28,7 @@ Theory of operation
 - A recv node's gradient leaves through a *dummy* input: each recv node has a
   leaf input of the received tensor's shape and dtype that needs one element of
   memory (zero strides); its backward returns the incoming gradient for that
-  input, and the local pass asks ``torch.autograd.grad`` for the dummies'
+  input, and the local pass asks for the dummies'
   gradients. No side channel, and in-place ops on the received tensor (allowed,
   as in torch) change nothing.
 - Graphs are retained until the context ends (every local pass runs with
@@ -276,6 +278,34 @@ def _reachable(outputs: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[An
     return list(leaves.values()), recv_nodes
 
 
+# Held by whoever borrows parameters' .grad on this worker: local passes here,
+# DistributedOptimizer steps in optim.py. One at a time, or one would see the other's.
+grad_lock = threading.Lock()
+
+
+def _gradients(
+    outputs: list[torch.Tensor], grads: list[torch.Tensor], inputs: list[torch.Tensor]
+) -> list[torch.Tensor | None]:
+    """The gradients of ``inputs`` from ``outputs``, leaving their ``.grad`` as it was.
+
+    Not ``torch.autograd.grad``: that skips the inputs' AccumulateGrad nodes,
+    and with them the hooks on those nodes, which is where DDP's reducer
+    averages gradients across replicas. ``backward(inputs=...)`` runs them
+    (DDP's final callback included); the ``.grad`` it fills is moved out and
+    the previous one put back, so gradients still land only in the context.
+    """
+    with grad_lock:
+        saved = [tensor.grad for tensor in inputs]
+        try:
+            for tensor in inputs:
+                tensor.grad = None
+            torch.autograd.backward(outputs, grads, retain_graph=True, inputs=inputs)
+            return [tensor.grad for tensor in inputs]
+        finally:
+            for tensor, grad in zip(inputs, saved, strict=True):
+                tensor.grad = grad
+
+
 def _local_pass(
     agent: Agent, context: Context, outputs: list[torch.Tensor], grads: list[torch.Tensor]
 ) -> list[torch.futures.Future]:
@@ -289,7 +319,7 @@ def _local_pass(
     inputs = leaves + dummies
     if not inputs:
         return []
-    results = torch.autograd.grad(outputs, inputs, grads, retain_graph=True, allow_unused=True)
+    results = _gradients(outputs, grads, inputs)
     for leaf, grad in zip(leaves, results[: len(leaves)], strict=True):
         if grad is not None:
             context.accumulate(leaf, grad)

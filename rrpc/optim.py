@@ -10,8 +10,9 @@ Theory of operation
   optimizer with that worker's gradients in the context (``get_gradients``)
   and waits for all of them; the first error is raised once all have answered.
 - Parameters may be shared by several trainers' optimizers (data-parallel
-  trainers over one model): on each worker one lock serialises "set ``.grad``,
-  step", so one step never runs with another's gradients. As in torch, steps
+  trainers over one model): on each worker one lock (``autograd.grad_lock``,
+  also held by backward passes, which borrow ``.grad`` too) serialises "set
+  ``.grad``, step", so one step never runs with another's gradients. As in torch, steps
   of different trainers interleave in any order.
 - ``.grad`` is only borrowed: each parameter's own ``.grad`` is restored after
   the step, so the context's gradients are not kept alive by the parameters.
@@ -19,7 +20,6 @@ Theory of operation
 
 from __future__ import annotations
 
-import threading
 from collections import defaultdict
 from typing import Any
 
@@ -35,8 +35,8 @@ __all__ = ["DistributedOptimizer"]
 class _LocalOptimizer:
     """On a parameter owner: ``optimizer_class`` over the parameters it owns."""
 
-    # One per worker: optimizers of several trainers may share parameters.
-    lock = threading.Lock()
+    # One per worker, shared with distributed backward passes (both borrow .grad).
+    lock = autograd.grad_lock
 
     def __init__(self, optimizer_class: type, param_rrefs: list[RRef], *args: Any, **kwargs: Any):
         self.params = [rref.local_value() for rref in param_rrefs]
