@@ -53,6 +53,7 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -444,3 +445,30 @@ def _exit_when_parent_dies() -> None:
         os._exit(_ORPHAN_EXIT_CODE)
 
     threading.Thread(target=watch, name="harness-parent-watch", daemon=True).start()
+
+
+def run_script(script: Any, *args: str, timeout: float) -> subprocess.CompletedProcess:
+    """Run ``python script *args`` as a user would, in its own process group,
+    and kill the whole group (the workers it started included) if it runs over
+    ``timeout`` seconds or the test is interrupted. Output is stdout and
+    stderr together; a run over time fails the test with its last lines."""
+    process = subprocess.Popen(
+        [sys.executable, str(script), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        raise AssertionError(
+            f"{script} {' '.join(args)} ran over {timeout} s:\n{output[-3000:]}"
+        ) from None
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    return subprocess.CompletedProcess(process.args, process.returncode, output)

@@ -7,14 +7,13 @@ which reach 0.95..0.98 test accuracy on 450 held-out digits here; the test asks
 """
 
 import json
-import os
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from harness import run_script
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "param_server" / "main.py"
 # Seconds. A smoke run takes ~10 s on an idle 2-core machine; starting three
@@ -24,25 +23,7 @@ MIN_ACCURACY = 0.93
 
 
 def run_example(*args: str) -> subprocess.CompletedProcess:
-    """Run the example in its own process group; kill the whole group if it hangs."""
-    process = subprocess.Popen(
-        [sys.executable, str(EXAMPLE), *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        output, _ = process.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"{EXAMPLE.name} {' '.join(args)} ran over {TIMEOUT} s:\n{output[-3000:]}")
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-    return subprocess.CompletedProcess(process.args, process.returncode, output)
+    return run_script(EXAMPLE, *args, timeout=TIMEOUT)
 
 
 @pytest.mark.timeout(TIMEOUT + 30)

@@ -5,13 +5,12 @@ and reads the outcome from its metrics file.
 """
 
 import json
-import os
-import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from harness import run_script
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "rl_agents" / "main.py"
 SMOKE_THRESHOLD = 100.0  # the example's --smoke target running reward
@@ -19,25 +18,7 @@ TIMEOUT = 100  # seconds; the run takes ~20 s on an idle 2-core machine
 
 
 def run_example(*args: str) -> subprocess.CompletedProcess:
-    """Run the example in its own process group; kill the whole group if it hangs."""
-    process = subprocess.Popen(
-        [sys.executable, str(EXAMPLE), *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        output, _ = process.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        pytest.fail(f"{EXAMPLE.name} {' '.join(args)} ran over {TIMEOUT} s:\n{output[-3000:]}")
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-    return subprocess.CompletedProcess(process.args, process.returncode, output)
+    return run_script(EXAMPLE, *args, timeout=TIMEOUT)
 
 
 @pytest.mark.parametrize("framework", ["rrpc", pytest.param("torch", marks=pytest.mark.slow)])
