@@ -472,3 +472,75 @@ def run_script(script: Any, *args: str, timeout: float) -> subprocess.CompletedP
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
     return subprocess.CompletedProcess(process.args, process.returncode, output)
+
+
+# -- A world kept up across tests -----------------------------------------------
+def _serve_scenarios(rank, world_size, commands, results, finished):
+    """Rank 0 runs each (fn, args) it is sent and sends back what it returned;
+    the other ranks serve RPCs until rank 0 is done. (`finished` is a semaphore:
+    setting an Event a dead process waited on can hang.)"""
+    if rank != 0:
+        finished.acquire()
+        return None
+    while (message := cloudpickle.loads(commands.recv_bytes())) is not None:
+        fn, args = message
+        try:
+            outcome = ("ok", fn(*args))
+        except BaseException:
+            outcome = ("error", traceback.format_exc())
+        results.send_bytes(cloudpickle.dumps(outcome))
+    for _ in range(world_size - 1):
+        finished.release()
+    return None
+
+
+class Cluster:
+    """``world_size`` rrpc workers kept up across tests; ``run(fn, *args)`` runs
+    ``fn`` on worker0 and returns its result (or fails the test with worker0's
+    traceback). Starting workers costs seconds; most scenarios take milliseconds.
+
+    Its processes are left out of the per-test cleanup (they outlive tests) and
+    are ended by ``close()``, or by their own parent-death watchdog if pytest
+    dies. A worker that dies or hangs marks the cluster broken for later tests.
+    """
+
+    def __init__(self, world_size: int = 3, backend_options: Any = None, env: Any = None):
+        self._results, results_writer = mp_context.Pipe(duplex=False)
+        commands_reader, self._commands = mp_context.Pipe(duplex=False)
+        self.group = WorkerGroup(
+            _serve_scenarios,
+            world_size,
+            args=(commands_reader, results_writer, mp_context.Semaphore(0)),
+            env=env,
+            backend_options=backend_options,
+        )
+        self.group.start()
+        _live_processes.difference_update(self.group.processes)
+        results_writer.close()
+        commands_reader.close()
+        self.broken = ""
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 60.0) -> Any:
+        if self.broken:
+            raise AssertionError(f"the cluster broke in an earlier test:\n{self.broken}")
+        self._commands.send_bytes(cloudpickle.dumps((fn, args)))
+        sentinels = [process.sentinel for process in self.group.processes]
+        if self._results not in wait_for_any([self._results, *sentinels], timeout):
+            try:
+                self.group.wait(timeout=0.1)  # describes every rank and stops them
+                self.broken = f"a worker died during {fn.__name__}"
+            except AssertionError as failure:
+                self.broken = f"{fn.__name__} did not finish within {timeout} s:\n{failure}"
+            raise AssertionError(self.broken)
+        status, value = cloudpickle.loads(self._results.recv_bytes())
+        if status != "ok":
+            raise AssertionError(f"{fn.__name__} failed on worker0:\n{value}")
+        return value
+
+    def close(self) -> None:
+        try:
+            if not self.broken:
+                self._commands.send_bytes(cloudpickle.dumps(None))
+                self.group.wait(timeout=30)
+        finally:
+            self.group.close()

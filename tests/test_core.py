@@ -10,78 +10,24 @@ their own options (one worker thread) start their own world.
 from __future__ import annotations
 
 import operator
-import queue
 import threading
-import traceback
 
-import cloudpickle
 import pytest
 import torch
 
-import harness
 import rrpc
-from harness import WorkerGroup, mp_context, run_workers
+from harness import Cluster, run_workers
 
-# -- The shared world ----------------------------------------------------------
-
-_stop_serving = threading.Event()  # set on workers 1 and 2 by worker0's last RPC
-
-
-def _stop():
-    _stop_serving.set()
-
-
-def _serve_commands(rank, world_size, commands, results):
-    """Worker0 runs each function the test sends; the others serve RPCs until told to stop."""
-    if rank != 0:
-        _stop_serving.wait()
-        return None
-    while (command := commands.get()) is not None:
-        fn, args = cloudpickle.loads(command)
-        try:
-            results.put(("ok", cloudpickle.dumps(fn(*args))))
-        except BaseException:
-            results.put(("error", traceback.format_exc()))
-    for peer in range(1, world_size):
-        rrpc.rpc_sync(peer, _stop)
-    return None
-
-
-class Cluster:
-    """Three rrpc workers; `run(fn, *args)` runs fn on worker0 and returns its result."""
-
-    def __init__(self, group: WorkerGroup, commands, results):
-        self.group = group
-        self._commands = commands
-        self._results = results
-
-    def run(self, fn, *args, timeout: float = 60.0):
-        dead = [r for r, p in enumerate(self.group.processes) if not p.is_alive()]
-        assert not dead, f"cluster ranks {dead} died in an earlier test"
-        self._commands.put(cloudpickle.dumps((fn, args)))
-        try:
-            status, value = self._results.get(timeout=timeout)
-        except queue.Empty:
-            pytest.fail(f"{fn.__name__} did not finish on worker0 within {timeout} s")
-        if status == "error":
-            pytest.fail(f"{fn.__name__} raised on worker0:\n{value}", pytrace=False)
-        return cloudpickle.loads(value)
+# -- The shared world (harness.Cluster) --------------------------------------
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    commands, results = mp_context.Queue(), mp_context.Queue()
-    with WorkerGroup(_serve_commands, world_size=3, args=(commands, results)) as group:
-        # conftest stops every harness process when each test ends; this group
-        # outlives single tests, so it leaves that registry until the module ends
-        # (`with` still stops it, and its workers exit if pytest dies).
-        harness._live_processes.difference_update(group.processes)
-        try:
-            yield Cluster(group, commands, results)
-            commands.put(None)
-            group.wait(timeout=30)
-        finally:
-            harness._live_processes.update(group.processes)
+    world = Cluster(world_size=3)
+    try:
+        yield world
+    finally:
+        world.close()
 
 
 # -- Functions the workers run -------------------------------------------------

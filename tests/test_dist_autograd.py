@@ -13,17 +13,13 @@ from __future__ import annotations
 import os
 import threading
 import time
-import traceback
-from multiprocessing.connection import wait as wait_for_any
 from types import SimpleNamespace
 
-import cloudpickle
 import pytest
 import torch
 
-import harness
 import rrpc
-from harness import WorkerGroup, mp_context, run_workers
+from harness import Cluster, mp_context, run_workers
 from rrpc.autograd_context import ContextTable
 from rrpc.messages import AUTOGRAD_BACKWARD, WorkerInfo
 
@@ -34,71 +30,7 @@ def assert_close(actual, expected, atol=ATOL):
     torch.testing.assert_close(actual, expected, atol=atol, rtol=0)
 
 
-# -- A cluster kept up for a module --------------------------------------------
-def _serve_scenarios(rank, world_size, commands, results, finished):
-    """Rank 0 runs each (fn, args) it is sent and sends back what it returned."""
-    if rank != 0:
-        finished.wait()
-        return None
-    while (message := cloudpickle.loads(commands.recv_bytes())) is not None:
-        fn, args = message
-        try:
-            outcome = ("ok", fn(*args))
-        except BaseException:
-            outcome = ("error", traceback.format_exc())
-        results.send_bytes(cloudpickle.dumps(outcome))
-    finished.set()
-    return None
-
-
-class Cluster:
-    """``world_size`` rrpc workers; ``run(fn, *args)`` runs ``fn`` on worker0."""
-
-    def __init__(self, world_size: int, backend_options=None):
-        self._results, results_writer = mp_context.Pipe(duplex=False)
-        commands_reader, self._commands = mp_context.Pipe(duplex=False)
-        self._finished = mp_context.Event()
-        self.group = WorkerGroup(
-            _serve_scenarios,
-            world_size,
-            args=(commands_reader, results_writer, self._finished),
-            backend_options=backend_options,
-        )
-        self.group.start()
-        # conftest stops every harness child after each test; this cluster's
-        # outlive tests and are ended by close() (or, should pytest itself die,
-        # by their own parent-death watchdog).
-        harness._live_processes.difference_update(self.group.processes)
-        results_writer.close()
-        commands_reader.close()
-        self.broken = ""
-
-    def run(self, fn, *args, timeout: float = 60.0):
-        if self.broken:
-            pytest.fail(f"the cluster broke in an earlier test:\n{self.broken}")
-        self._commands.send_bytes(cloudpickle.dumps((fn, args)))
-        sentinels = [process.sentinel for process in self.group.processes]
-        if self._results not in wait_for_any([self._results, *sentinels], timeout):
-            try:
-                self.group.wait(timeout=0.1)  # describes every rank and stops them
-                self.broken = f"a worker died during {fn.__name__}"
-            except AssertionError as failure:
-                self.broken = f"{fn.__name__} did not finish within {timeout} s:\n{failure}"
-            pytest.fail(self.broken)
-        status, value = cloudpickle.loads(self._results.recv_bytes())
-        if status != "ok":
-            pytest.fail(f"{fn.__name__} failed on worker0:\n{value}")
-        return value
-
-    def close(self) -> None:
-        try:
-            if not self.broken:
-                self._commands.send_bytes(cloudpickle.dumps(None))
-                self.group.wait(timeout=30)
-        finally:
-            self.group.close()
-
-
+# -- A cluster kept up for the session (see harness.Cluster) --------------------
 _shared: list[Cluster] = []
 
 

@@ -15,15 +15,13 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 from pathlib import Path
 
-import cloudpickle
 import pytest
 import torch
 
 import rrpc
-from harness import WorkerGroup, mp_context, run_workers
+from harness import Cluster, WorkerGroup, mp_context, run_workers
 from rrpc import agent as agent_hooks
 
 WORKERS = ("worker0", "worker1", "worker2")
@@ -38,58 +36,16 @@ ZERO_DEBUG_INFO = {
     "num_pending_accepts": 0,
 }
 
-# -- The shared world ----------------------------------------------------------
-
-
-def _serve_commands(rank, world_size, commands, results, done):
-    """Worker0 runs each function the test sends; the others serve RPCs until `done`.
-
-    `done` is a semaphore, not an Event: setting an Event whose waiter died hangs."""
-    if rank != 0:
-        done.acquire()
-        return None
-    while (command := commands.get()) is not None:
-        fn, args = cloudpickle.loads(command)
-        try:
-            results.put(("ok", cloudpickle.dumps(fn(*args))))
-        except BaseException:
-            results.put(("error", traceback.format_exc()))
-    done.acquire()
-    return None
-
-
-class Cluster:
-    def __init__(self, group, commands, results):
-        self.group = group
-        self._commands = commands
-        self._results = results
-
-    def run(self, fn, *args, timeout: float = 60.0):
-        dead = [r for r, p in enumerate(self.group.processes) if not p.is_alive()]
-        assert not dead, f"cluster ranks {dead} died in an earlier test"
-        self._commands.put(cloudpickle.dumps((fn, args)))
-        status, value = self._results.get(timeout=timeout)
-        if status == "error":
-            pytest.fail(f"{fn.__name__} raised on worker0:\n{value}", pytrace=False)
-        return cloudpickle.loads(value)
+# -- The shared world (harness.Cluster) --------------------------------------
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    commands, results, done = mp_context.Queue(), mp_context.Queue(), mp_context.Semaphore(0)
-    with WorkerGroup(_serve_commands, world_size=3, args=(commands, results, done)) as group:
-        yield Cluster(group, commands, results)
-        commands.put(None)
-        for _ in range(3):
-            done.release()
-        group.wait(timeout=30)
-
-
-@pytest.fixture(autouse=True)
-def _stop_leftover_workers():
-    """Overrides conftest's, which would stop the module's cluster after its first test.
-    Every WorkerGroup here is closed by its own `with`."""
-    yield
+    world = Cluster(world_size=3)
+    try:
+        yield world
+    finally:
+        world.close()
 
 
 @pytest.fixture
