@@ -104,6 +104,7 @@ class _Pending:
     what: str
     deadline: float
     started: float
+    connection: transport.Connection | None  # the stream it went out on
 
 
 def remote_exception_payload(exc: BaseException, where: str) -> tuple:
@@ -358,7 +359,7 @@ class Agent:
         future: torch.futures.Future = torch.futures.Future()
         now = time.monotonic()
         deadline = now + timeout if timeout > 0 else math.inf
-        self._pending[request_id] = _Pending(future, peer, what, deadline, now)
+        self._pending[request_id] = _Pending(future, peer, what, deadline, now, connection)
         if deadline != math.inf:
             self._deadlines.watch(deadline)
         stats = self.peer_stats(peer)
@@ -460,7 +461,7 @@ class Agent:
         else:
             reason = error or PeerUnavailableError(f"stream to {peer.name} closed")
         for request_id, pending in list(self._pending.items()):
-            if pending.peer.id == peer.id:
+            if pending.connection is connection:  # not calls already on a newer stream
                 failure = type(reason)(f"{pending.what} on {peer.name} failed: {reason}")
                 self._fail(request_id, failure)
 
