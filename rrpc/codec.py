@@ -15,12 +15,16 @@ Rules:
 - Code (lambdas, closures, functions of ``__main__``) is pickled by value with
   cloudpickle; everything else goes through the C pickler, which is faster.
 - A received tensor is built over a buffer the reader allocated for it: one
-  copy from the socket's packets, none after.
+  copy from the socket's packets, none after. A buffer sent through shared
+  memory (``shm.py``) has size 0 in the stream and a descriptor in the
+  envelope; the reader builds the tensor over the peer's slot, with no copy.
 - Every length is checked before it is trusted: the envelope's size, and the
-  frame's total against ``max_message_size``; the error gives both numbers.
+  frame's total (shared buffers included) against ``max_message_size``; the
+  error gives both numbers.
 - The pickle hooks of upper layers (RRefs need to know where they travel,
   distributed autograd must see tensors that require grad) read
-  ``current_peer()`` and the tensor hook that ``decode`` installs.
+  ``current_peer()`` and the tensor hook that ``loads`` installs; a reducer
+  with side effects registers their undo with ``on_discard``.
 """
 
 from __future__ import annotations

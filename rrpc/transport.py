@@ -16,7 +16,12 @@ Rules:
 - The stream's metadata carries the caller's rank and, when the cluster has a
   token, the token; the server checks it before reading a single frame, so an
   unauthenticated peer never gets anything unpickled.
-- A stream that breaks reports once, through ``on_close``, with the reason.
+- A stream that breaks reports once, through ``on_close(connection, reason)``
+  (possibly before the constructor returns); the agent opens a new one at the
+  next call. Every channel is closed explicitly: one left to the garbage
+  collector can hang the interpreter's exit in gRPC's finalizer.
+- No frame stays referenced while the next packet is awaited: a received
+  tensor may hold a peer's shared-memory slot until its last reference goes.
 - grpcio only sends ``bytes``: the one copy on the way out is the ``join``
   that builds a packet, straight from the tensors' memory.
 """
