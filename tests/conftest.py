@@ -20,3 +20,14 @@ def _stop_leftover_workers():
     """A WorkerGroup left open (not used with `with`) is stopped when its test ends."""
     yield
     harness.kill_leftovers()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Three rrpc workers kept up for a module's tests; ``cluster.run(fn, *args)``
+    runs fn on worker0 (see harness.Cluster)."""
+    world = harness.Cluster(world_size=3)
+    try:
+        yield world
+    finally:
+        world.close()

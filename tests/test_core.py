@@ -12,22 +12,12 @@ from __future__ import annotations
 import operator
 import threading
 
-import pytest
 import torch
 
 import rrpc
-from harness import Cluster, run_workers
+from harness import run_workers
 
-# -- The shared world (harness.Cluster) --------------------------------------
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    world = Cluster(world_size=3)
-    try:
-        yield world
-    finally:
-        world.close()
+# The shared world is conftest's `cluster` fixture (a harness.Cluster of 3).
 
 
 # -- Functions the workers run -------------------------------------------------

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import rrpc
-from harness import Cluster, WorkerGroup, mp_context, run_workers
+from harness import WorkerGroup, mp_context, run_workers
 from rrpc import agent as agent_hooks
 
 WORKERS = ("worker0", "worker1", "worker2")
@@ -36,16 +36,7 @@ ZERO_DEBUG_INFO = {
     "num_pending_accepts": 0,
 }
 
-# -- The shared world (harness.Cluster) --------------------------------------
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    world = Cluster(world_size=3)
-    try:
-        yield world
-    finally:
-        world.close()
+# The shared world is conftest's `cluster` fixture (a harness.Cluster of 3).
 
 
 @pytest.fixture
