@@ -399,8 +399,9 @@ class Agent:
         envelope = frame.envelope
         pending = self._pending.pop(envelope.request_id, None)
         stats = self.peer_stats(peer)
-        stats.bytes_received += len(frame.payload) + sum(len(b) for b in frame.buffers)
-        stats.tensor_bytes_received += sum(len(b) for b in frame.buffers)
+        tensor_bytes = frame.tensor_bytes()
+        stats.bytes_received += len(frame.payload) + tensor_bytes
+        stats.tensor_bytes_received += tensor_bytes
         if pending is None:
             return  # timed out or failed already
         if self.suspects:
@@ -482,8 +483,9 @@ class Agent:
         context_id = envelope.autograd_context_id
         stats = self.peer_stats(peer)
         stats.calls_served += 1
-        stats.bytes_received += len(frame.payload) + sum(len(b) for b in frame.buffers)
-        stats.tensor_bytes_received += sum(len(b) for b in frame.buffers)
+        tensor_bytes = frame.tensor_bytes()
+        stats.bytes_received += len(frame.payload) + tensor_bytes
+        stats.tensor_bytes_received += tensor_bytes
         previous_context = thread_state.autograd_context_id
         thread_state.autograd_context_id = context_id
         try:

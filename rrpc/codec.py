@@ -314,6 +314,9 @@ class Frame:
     payload: bytes | memoryview
     buffers: list[torch.Tensor]  # one writable uint8 tensor per out-of-band buffer
 
+    def tensor_bytes(self) -> int:
+        return sum(buffer.numel() for buffer in self.buffers)
+
 
 def loads(
     frame: Frame,
