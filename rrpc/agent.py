@@ -258,6 +258,8 @@ class Agent:
             options.max_message_size,
             self._server_credentials,
             attach=self._attachments.tensor,
+            batch_delay=options.batch_delay,
+            batch_min_open=options.batch_min_open,
         )
         self.address = f"{_bracket(host)}:{self.server.port}"
 
@@ -390,6 +392,8 @@ class Agent:
                     peer_name=peer.name,
                     credentials=self._channel_credentials,
                     attach=self._attachments.tensor,
+                    batch_delay=self.options.batch_delay,
+                    batch_min_open=self.options.batch_min_open,
                 )
                 self._connections[peer.id] = connection
                 self._opened.append(connection)

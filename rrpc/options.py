@@ -17,6 +17,11 @@ def _env_flag(name: str, default: bool) -> bool:
     )
 
 
+def _env_float(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    return default if value is None or not value.strip() else float(value)
+
+
 @dataclass
 class RpcBackendOptions:
     """Options of ``init_rpc``; mirrors ``torch.distributed.rpc.TensorPipeRpcBackendOptions``.
@@ -34,6 +39,10 @@ class RpcBackendOptions:
         chunk_size: largest gRPC message; bigger frames flow in chunks of this size.
         shared_memory: same-host tensors through shared memory (env ``RRPC_SHM``).
         shm_threshold: smallest tensor in bytes that takes the shared-memory path.
+        batch_delay: seconds a stream's sender lingers to gather more frames
+            into one gRPC message, when at least ``batch_min_open`` calls are open
+            on the stream (env ``RRPC_BATCH_DELAY``; 0 turns lingering off).
+        batch_min_open: the open calls on one stream from which it lingers.
         tls_cert_file / tls_key_file / tls_ca_file: PEM files; when all are set,
             every stream is TLS with client certificates checked against the CA.
         devices / device_maps: accepted for compatibility; rrpc moves tensors
@@ -52,6 +61,8 @@ class RpcBackendOptions:
     chunk_size: int = 2 << 20
     shared_memory: bool = field(default_factory=lambda: _env_flag("RRPC_SHM", True))
     shm_threshold: int = 1 << 20
+    batch_delay: float = field(default_factory=lambda: _env_float("RRPC_BATCH_DELAY", 300e-6))
+    batch_min_open: int = 16
     tls_cert_file: str | None = field(default_factory=lambda: os.environ.get("RRPC_TLS_CERT"))
     tls_key_file: str | None = field(default_factory=lambda: os.environ.get("RRPC_TLS_KEY"))
     tls_ca_file: str | None = field(default_factory=lambda: os.environ.get("RRPC_TLS_CA"))
@@ -63,6 +74,8 @@ class RpcBackendOptions:
             raise ValueError(f"num_worker_threads must be >= 1, got {self.num_worker_threads}")
         if self.rpc_timeout < 0:
             raise ValueError(f"rpc_timeout must be >= 0 (0: none), got {self.rpc_timeout}")
+        if not 0 <= self.batch_delay <= 0.1:
+            raise ValueError(f"batch_delay must be in [0, 0.1] seconds, got {self.batch_delay}")
         if self.chunk_size < 4096:
             raise ValueError(f"chunk_size must be >= 4096 bytes, got {self.chunk_size}")
 

@@ -10,7 +10,11 @@ their replies come back on its response side. The server side of that stream
 Each direction of a stream is a byte stream of frames cut into packets
 (``codec.packets``): a sender thread takes everything queued at the moment it
 wakes and sends it as one packet, so small messages batch themselves under
-load and a large one flows in bounded chunks under gRPC's flow control.
+load and a large one flows in bounded chunks under gRPC's flow control. When
+many exchanges are open on the stream, the sender also lingers a fraction of a
+millisecond before cutting a packet (``Outbox``): each gRPC message costs
+~100 µs of Python per side here, so packets of 10-40 frames instead of 2-3
+halve the CPU per call under load, while a lone call never waits.
 
 Rules:
 - The stream's metadata carries the caller's rank and, when the cluster has a
@@ -32,6 +36,7 @@ import hmac
 import itertools
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import Any
@@ -68,32 +73,75 @@ _SERVER_OPTIONS = [
 FrameHandler = Callable[[codec.Frame], None]
 
 
-def _send_queue_packets(outbox: queue.SimpleQueue, packet_size: int) -> Iterator[bytes]:
-    """Packets for one direction of a stream, from frames queued as piece lists."""
-    while True:
-        item = outbox.get()
-        if item is _CLOSE:
-            return
-        if isinstance(item, BaseException):
-            raise item
-        batch = [item]
-        closing = False
-        while True:  # batch whatever else is already waiting
+class Outbox:
+    """One direction of a stream: the frames waiting to go, and how many
+    exchanges are open on it (requests without their reply yet).
+
+    Under load the sender lingers ``batch_delay`` seconds before cutting a
+    packet, so that one gRPC message carries many frames: gRPC's per-message
+    cost in Python (~100 µs per side here) would otherwise dominate. It
+    lingers only while at least ``batch_min_open`` exchanges are open — a
+    lone call never waits. The counts are advisory: they steer batching only.
+    """
+
+    def __init__(self, packet_size: int, batch_delay: float = 0.0, batch_min_open: int = 0):
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.packet_size = packet_size
+        self.batch_delay = batch_delay
+        self.batch_min_open = batch_min_open
+        self.sleep = time.sleep  # tests replace it to act during the linger
+        # Every frame is half an exchange (a request or its reply), so the
+        # open exchanges are the difference between frames sent and received.
+        # Frames are sent from many threads (an atomic itertools.count) and
+        # received by the stream's reader alone.
+        self._sends = itertools.count(1)
+        self._sent = 0
+        self.received = 0
+
+    def open_exchanges(self) -> int:
+        return abs(self._sent - self.received)
+
+    def put(self, pieces: list[Any]) -> None:
+        """Queue one frame's pieces, from any thread."""
+        self._sent = next(self._sends)
+        self.queue.put(pieces)
+
+    def end(self, error: BaseException | None = None) -> None:
+        """End the stream after what is queued; with ``error``, end it failed."""
+        if error is not None:
+            self.queue.put(error)
+        self.queue.put(_CLOSE)
+
+    def packets(self) -> Iterator[bytes]:
+        """Packets of the queued frames, until the stream ends."""
+        while True:
+            batch: list[list[Any]] = []
+            end = self._drain(batch, block=True)
+            if end is None and self.batch_delay and self.open_exchanges() >= self.batch_min_open:
+                self.sleep(self.batch_delay)  # asleep, not waiting: puts wake nobody
+                end = self._drain(batch, block=False)
+            if batch:
+                yield from codec.packets(itertools.chain.from_iterable(batch), self.packet_size)
+            if isinstance(end, BaseException):
+                raise end
+            if end is _CLOSE:
+                return
+
+    def _drain(self, batch: list, block: bool) -> Any:
+        """Move queued frames into ``batch`` (waiting for the first one if
+        ``block``) up to an end marker, which it returns (None: no end yet)."""
+        while True:
             try:
-                item = outbox.get_nowait()
+                item = self.queue.get() if block and not batch else self.queue.get_nowait()
             except queue.Empty:
-                break
-            if item is _CLOSE:
-                closing = True
-                break
+                return None
+            if item is _CLOSE or isinstance(item, BaseException):
+                return item
             batch.append(item)
-        yield from codec.packets(itertools.chain.from_iterable(batch), packet_size)
-        if closing:
-            return
 
 
 def _read_frames(
-    packets: Iterator[bytes], reader: codec.FrameReader, on_frame: FrameHandler
+    packets: Iterator[bytes], reader: codec.FrameReader, on_frame: FrameHandler, outbox: Outbox
 ) -> None:
     # No frame may stay referenced here while the next packet is awaited: a
     # received tensor's shared-memory slot is freed with its last reference.
@@ -101,6 +149,7 @@ def _read_frames(
         frames = reader.feed(packet)
         del packet
         while frames:
+            outbox.received += 1
             on_frame(frames.pop(0))
 
 
@@ -118,17 +167,19 @@ class Connection:
         peer_name: str,
         credentials: grpc.ChannelCredentials | None = None,
         attach: Callable[[Any], Any] | None = None,
+        batch_delay: float = 0.0,
+        batch_min_open: int = 0,
     ):
         self.peer_name = peer_name
         self.closed = False  # set once the stream has ended, before on_close runs
         self.error: BaseException | None = None  # why it ended, when it failed
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._outbox = Outbox(packet_size, batch_delay, batch_min_open)
         if credentials is None:
             self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
         else:
             self._channel = grpc.secure_channel(address, credentials, options=_CHANNEL_OPTIONS)
         stream = self._channel.stream_stream(METHOD)
-        self._call = stream(_send_queue_packets(self._outbox, packet_size), metadata=metadata)
+        self._call = stream(self._outbox.packets(), metadata=metadata)
         self._on_frame = on_frame
         self._on_close = on_close
         self._reader = codec.FrameReader(max_message_size, attach)
@@ -143,7 +194,7 @@ class Connection:
     def _receive(self) -> None:
         error: BaseException | None = None
         try:
-            _read_frames(self._call, self._reader, self._on_frame)
+            _read_frames(self._call, self._reader, self._on_frame, self._outbox)
         except grpc.RpcError as exc:
             error = _stream_error(exc, self.peer_name)
         except Exception as exc:  # a malformed frame from the peer
@@ -155,7 +206,7 @@ class Connection:
 
     def close(self, timeout: float = 5.0) -> None:
         """End the request side, let the peer finish the response side, close."""
-        self._outbox.put(_CLOSE)
+        self._outbox.end()
         self._thread.join(timeout)
         if self._thread.is_alive():
             self._call.cancel()
@@ -164,12 +215,12 @@ class Connection:
 
     def release(self) -> None:
         """Free the channel of a stream that has ended (from any thread, its own included)."""
-        self._outbox.put(_CLOSE)
+        self._outbox.end()
         self._channel.close()
 
     def abort(self) -> None:
         self._call.cancel()
-        self._outbox.put(_CLOSE)
+        self._outbox.end()
         self._channel.close()
 
 
@@ -203,13 +254,16 @@ class Server:
         credentials: grpc.ServerCredentials | None = None,
         port: int = 0,
         attach: Callable[[Any], Any] | None = None,
+        batch_delay: float = 0.0,
+        batch_min_open: int = 0,
     ):
         self._on_frame = on_frame
         self._attach = attach
         self._token = auth_token
         self._packet_size = packet_size
         self._max_message_size = max_message_size
-        self._outboxes: set[queue.SimpleQueue] = set()
+        self._batching = (batch_delay, batch_min_open)
+        self._outboxes: set[Outbox] = set()
         # A sync gRPC server holds one thread per open stream for the stream's life.
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=4096, thread_name_prefix="rrpc-stream"),
@@ -235,30 +289,30 @@ class Server:
         ):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong or missing auth token")
         peer_rank = int(metadata.get("rrpc-rank", "-1"))
-        outbox: queue.SimpleQueue = queue.SimpleQueue()
+        outbox = Outbox(self._packet_size, *self._batching)
         self._outboxes.add(outbox)
         reader = codec.FrameReader(self._max_message_size, self._attach)
-
-        def respond(pieces: list[Any]) -> None:
-            outbox.put(pieces)
+        respond = outbox.put
 
         def receive() -> None:
+            error: BaseException | None = None
             try:
                 _read_frames(
                     request_iterator,
                     reader,
                     lambda frame: self._on_frame(frame, peer_rank, respond),
+                    outbox,
                 )
             except grpc.RpcError:
                 pass  # the caller went away; its side reports it
             except Exception as exc:  # a malformed frame: end this stream, keep serving others
-                outbox.put(exc)
+                error = exc
             finally:
-                outbox.put(_CLOSE)
+                outbox.end(error)
 
         threading.Thread(target=receive, name=f"rrpc-serve-{peer_rank}", daemon=True).start()
         try:
-            yield from _send_queue_packets(outbox, self._packet_size)
+            yield from outbox.packets()
         except Exception as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed frame: {exc}")
         finally:
@@ -266,5 +320,5 @@ class Server:
 
     def stop(self, grace: float | None = 1.0) -> None:
         for outbox in list(self._outboxes):
-            outbox.put(_CLOSE)
+            outbox.end()
         self._server.stop(grace).wait(grace)

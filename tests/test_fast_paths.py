@@ -85,3 +85,21 @@ def test_transfers_are_exact_with_every_fast_path_on_and_off(fast_paths):
         assert bytes_in_stream < 4 * MiB
     else:
         assert bytes_in_stream > 60 * MiB
+
+
+def _many_in_flight(rank, world_size):
+    if rank != 0:
+        return None
+    futures = [
+        rrpc.rpc_async("worker1", echo, args=((i, torch.full((3,), i)),)) for i in range(500)
+    ]
+    replies = [future.wait() for future in futures]
+    return all(n == i and torch.equal(t, torch.full((3,), i)) for i, (n, t) in enumerate(replies))
+
+
+@pytest.mark.parametrize("delay", ["300e-6", "0"], ids=["lingering_on", "lingering_off"])
+def test_hundreds_of_calls_in_flight_each_get_their_own_reply(delay):
+    # 500 calls open on one stream: far above batch_min_open, so both senders
+    # linger and pack many frames per gRPC message.
+    [all_matched, _] = run_workers(_many_in_flight, 2, env={"RRPC_BATCH_DELAY": delay}, timeout=60)
+    assert all_matched

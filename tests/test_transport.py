@@ -1,0 +1,102 @@
+"""The stream's sending side (``transport.Outbox``): batching, lingering, ending."""
+
+import pytest
+
+from rrpc import codec, options, transport
+
+
+def _frame(i: int) -> list[bytes]:
+    return [f"frame{i:03d};".encode()]
+
+
+def _outbox(open_exchanges: int, delay: float = 300e-6, min_open: int = 16):
+    """An outbox with ``open_exchanges`` requests sent and unanswered, nothing queued."""
+    outbox = transport.Outbox(packet_size=1 << 20, batch_delay=delay, batch_min_open=min_open)
+    for i in range(open_exchanges):
+        outbox.put(_frame(i))
+    list(_take(outbox, open_exchanges))
+    return outbox
+
+
+def _take(outbox, frames: int):
+    """Packets from the outbox until ``frames`` frames came out."""
+    seen = 0
+    packets = outbox.packets()
+    while seen < frames:
+        packet = next(packets)
+        seen += packet.count(b";")
+        yield packet
+
+
+def test_frames_queued_together_go_out_as_one_packet():
+    outbox = transport.Outbox(packet_size=1 << 20)
+    for i in range(5):
+        outbox.put(_frame(i))
+    assert next(outbox.packets()) == b"".join(piece for i in range(5) for piece in _frame(i))
+
+
+def test_under_load_the_sender_lingers_and_takes_what_arrived_meanwhile():
+    outbox = _outbox(open_exchanges=20)
+    lingered = []
+
+    def sleep(seconds):  # frames arriving while the sender lingers
+        lingered.append(seconds)
+        for i in range(1, 8):
+            outbox.put(_frame(100 + i))
+
+    outbox.sleep = sleep
+    outbox.put(_frame(100))
+    packet = next(outbox.packets())
+    assert lingered == [300e-6]
+    assert packet.count(b";") == 8  # one gRPC message for all eight
+
+
+def test_a_lone_call_never_waits():
+    outbox = _outbox(open_exchanges=3)
+    outbox.sleep = lambda seconds: pytest.fail("lingered with only a few calls open")
+    outbox.put(_frame(0))
+    assert next(outbox.packets()) == _frame(0)[0]
+
+
+def test_zero_delay_turns_lingering_off():
+    outbox = _outbox(open_exchanges=40, delay=0.0)
+    outbox.sleep = lambda seconds: pytest.fail("lingered with batch_delay=0")
+    outbox.put(_frame(0))
+    assert next(outbox.packets()) == _frame(0)[0]
+
+
+def test_open_exchanges_count_frames_sent_against_frames_received():
+    outbox = transport.Outbox(packet_size=1 << 20)
+    for i in range(10):
+        outbox.put(_frame(i))
+    outbox.received += 4
+    assert outbox.open_exchanges() == 6
+    outbox.received += 10  # a server: more requests received than replies sent
+    assert outbox.open_exchanges() == 4
+
+
+def test_end_sends_what_is_queued_then_stops():
+    outbox = transport.Outbox(packet_size=1 << 20)
+    outbox.put(_frame(0))
+    outbox.put(_frame(1))
+    outbox.end()
+    assert list(outbox.packets()) == [_frame(0)[0] + _frame(1)[0]]
+
+
+def test_end_with_an_error_sends_what_is_queued_then_raises_it():
+    outbox = transport.Outbox(packet_size=1 << 20)
+    outbox.put(_frame(0))
+    outbox.end(codec.ProtocolError("malformed"))
+    packets = outbox.packets()
+    assert next(packets) == _frame(0)[0]
+    with pytest.raises(codec.ProtocolError, match="malformed"):
+        next(packets)
+
+
+def test_batch_delay_has_an_env_switch_and_a_sane_range(monkeypatch):
+    monkeypatch.setenv("RRPC_BATCH_DELAY", "0")
+    assert options.RpcBackendOptions().batch_delay == 0.0
+    monkeypatch.delenv("RRPC_BATCH_DELAY")
+    assert options.RpcBackendOptions().batch_delay > 0
+    with pytest.raises(ValueError, match="batch_delay"):
+        options.RpcBackendOptions(batch_delay=1.0)
