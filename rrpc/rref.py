@@ -53,6 +53,7 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from rrpc import agent as agent_module
+from rrpc import autograd as dist_autograd
 from rrpc import codec
 from rrpc.agent import Agent, Deferred, current_agent
 from rrpc.functions import async_execution, is_async_execution
@@ -615,6 +616,27 @@ class RRef(Generic[T]):
             self._wait_for_creation_or(fetch)
         return _result(_done(fetch))
 
+    def backward(self, dist_autograd_ctx_id: int = -1, retain_graph: bool = False) -> None:
+        """Run the backward pass from this RRef's value, a scalar tensor, on its owner.
+
+        With ``dist_autograd_ctx_id``, a distributed backward pass in that
+        context, started on the owner (gradients in ``get_gradients``); without
+        it, a local one (gradients in ``.grad``), which only the owner can run.
+
+        Example::
+
+            with rrpc.autograd.context() as context_id:
+                loss = rrpc.remote("worker1", torch.sum, args=(t,))
+                loss.backward(context_id)
+        """
+        if dist_autograd_ctx_id == -1 and not self.is_owner():
+            raise RuntimeError("User RRefs require 'dist_autograd_ctx_id' to be specified")
+        if self.is_owner():
+            _backward_on_owner(self, dist_autograd_ctx_id, retain_graph)
+            return
+        args = (self, dist_autograd_ctx_id, retain_graph)
+        _result(_done(_call_on_owner(self, _backward_on_owner, args, UNSET_RPC_TIMEOUT)))
+
     def _get_future(self) -> torch.futures.Future:
         """The future of this RRef's creation on its owner (remote()); for
         ``RRef(value)``, a completed one."""
@@ -763,6 +785,16 @@ def _invoke_on_owner(rref: RRef, method: str, args: tuple, kwargs: dict) -> torc
     result: torch.futures.Future = torch.futures.Future()
     result.set_result(bound(*args, **kwargs))
     return result
+
+
+def _backward_on_owner(rref: RRef, context_id: int, retain_graph: bool) -> None:
+    value = rref.local_value()
+    if not isinstance(value, torch.Tensor):
+        raise RuntimeError("RRef should contain a tensor for .backward()")
+    if context_id == -1:
+        value.backward(retain_graph=retain_graph)
+    else:
+        dist_autograd.backward(context_id, [value], retain_graph=retain_graph)
 
 
 def _type_of(rref: RRef) -> type:

@@ -263,6 +263,49 @@ def test_rref_proxies_gradients_equal_local_ones(cluster, no_state_left_behind):
         assert_close(d, g)
 
 
+def _stage_sum(x, name):
+    return _stage(x, name).sum()
+
+
+def _rref_backward():
+    # RRef.backward as torch's test_owner_rref_backward / test_user_rref_backward.
+    rrpc.rpc_sync("worker1", _make_param, args=("rref_backward", (3, 3), 5))
+    (x,) = _inputs((2, 3))
+    w = _param((3, 3), 5)
+    local = torch.autograd.grad(torch.tanh(x @ w).sum(), [x])[0]
+    with rrpc.autograd.context() as context_id:  # user RRef: the pass starts on its owner
+        loss = rrpc.remote("worker1", _stage_sum, args=(x, "rref_backward"))
+        loss.backward(context_id, retain_graph=True)
+        loss.backward(context_id)
+        user_twice = rrpc.autograd.get_gradients(context_id)[x]
+        with pytest.raises(RuntimeError, match="require 'dist_autograd_ctx_id'"):
+            loss.backward()
+    with rrpc.autograd.context() as context_id:  # owner RRef, distributed
+        y = rrpc.rpc_sync("worker1", _stage, args=(x, "rref_backward"))
+        rrpc.RRef(y.sum()).backward(context_id)
+        owner_distributed = rrpc.autograd.get_gradients(context_id)[x]
+        assert x.grad is None, "a distributed pass wrote .grad"
+    t = x.detach().clone().requires_grad_()
+    rrpc.RRef((t * 3).sum()).backward()  # owner RRef, local: into .grad
+    owner_local = t.grad
+    with pytest.raises(RuntimeError, match="RRef should contain a tensor"):
+        rrpc.RRef("foo").backward()
+    with pytest.raises(RuntimeError, match="scalar outputs"):
+        rrpc.RRef(torch.rand(3, requires_grad=True)).backward()
+    with pytest.raises(RuntimeError, match="Could not find autograd context with id: 100"):
+        rrpc.RRef(torch.rand(3, requires_grad=True).sum()).backward(100)
+    with rrpc.autograd.context() as context_id:
+        remote_text = rrpc.remote("worker1", str, args=("foo",))
+        with pytest.raises(RuntimeError, match="RRef should contain a tensor"):
+            remote_text.backward(context_id)
+    return (user_twice, 2 * local), (owner_distributed, local), (owner_local, torch.full_like(t, 3))
+
+
+def test_rref_backward_runs_on_the_owner_and_matches_local_gradients(cluster, no_state_left_behind):
+    for distributed, local in cluster.run(_rref_backward):
+        assert_close(distributed, local)
+
+
 def _loss_computed_remotely_and_sent_back():
     # The root itself is a received tensor; its graph starts at a recv node.
     rrpc.rpc_sync("worker1", _make_param, args=("remote_loss", (3, 3), 7))
