@@ -2,9 +2,10 @@
 
 Run from the repository root:
 
-    python benchmarks/bench.py                       # everything, ~5 min on 2 vCPUs
+    python benchmarks/bench.py                       # everything, ~4 min on 2 vCPUs
     python benchmarks/bench.py --quick               # fewer repeats and calls, ~1.5 min
     python benchmarks/bench.py --only noop_sync,echo_16m
+    python benchmarks/bench.py --only veth_echo_16m      # two "hosts"; needs root
     python benchmarks/bench.py --frameworks torch    # reference numbers only
     python benchmarks/bench.py --json results.json
 
@@ -15,6 +16,15 @@ They are started with the multiprocessing spawn context on a free port of
 numbers back over a multiprocessing queue. For each workload the frameworks
 alternate (torch, rrpc, rrpc, torch, ...) for R repeats and the table shows the
 median over the repeats, so drift on the machine hits both sides alike.
+
+Two "hosts". The `veth_*` workloads put the client and the server in two network
+namespaces joined by a veth pair (`netns.py`; created once per benchmark run and
+removed at its end), so their only way to each other is TCP over that link, as
+between two machines: rrpc with `RRPC_SHM=0`, TensorPipe restricted to its `uv`
+transport and `basic` channel (its `cma` channel would otherwise read the peer's
+memory with process_vm_readv, across namespaces). Each run checks the veth's
+byte counters: at least the payloads it timed must have crossed the link, or the
+run fails. Without root or `ip`, these rows read "n/a (needs root and ip netns)".
 
 How to read it. Each row is one metric; "speedup" is rrpc's advantage over
 torch: rrpc ÷ torch for rates (calls/s, GB/s), torch ÷ rrpc for times and
@@ -32,13 +42,13 @@ one it has, which is also a check that rrpc's API mirrors PyTorch's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import multiprocessing
 import os
 import platform
 import queue
-import resource
 import socket
 import statistics
 import sys
@@ -50,10 +60,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import netns  # benchmarks/netns.py, beside this file (sys.path[0], also in the workers)
 import torch
 
 MiB = 1024 * 1024
-ECHO_SIZES = {"echo_4k": 4 * 1024, "echo_1m": MiB, "echo_16m": 16 * MiB, "echo_128m": 128 * MiB}
+ECHO_SIZES = {
+    "echo_4k": 4 * 1024,
+    "echo_1m": MiB,
+    "echo_16m": 16 * MiB,
+    "echo_128m": 128 * MiB,
+    "veth_echo_16m": 16 * MiB,
+    "veth_echo_128m": 128 * MiB,
+}
+ECHO_WARMUP = 2
 PEAK_MEM_PAYLOAD = 128 * MiB
 PARAM_SERVER_BYTES = 4 * MiB
 RUN_TIMEOUT_S = 90.0  # one process group for one workload; a hang becomes "n/a (timeout ...)"
@@ -214,7 +233,7 @@ def threads_64(fw: Framework, n: int, threads: int = 64) -> dict:
 
 def echo_tensor(fw: Framework, n: int, nbytes: int) -> dict:
     t = torch.rand(nbytes // 4)
-    times = timed_calls(lambda: fw.rpc.rpc_sync("server", echo, args=(t,)), n, warmup=2)
+    times = timed_calls(lambda: fw.rpc.rpc_sync("server", echo, args=(t,)), n, ECHO_WARMUP)
     median = statistics.median(times)
     return {"ms": median * 1e3, "gb_per_s": 2 * nbytes / median / 1e9}
 
@@ -253,9 +272,67 @@ def param_server(fw: Framework, n: int) -> dict:
     return {"updates": n, "start": start, "end": time.monotonic()}
 
 
+# --- memory: RSS now, and the peak since a mark ---------------------------------------
+#
+# The peak is the kernel's high-water mark of this process's RSS (VmHWM), which
+# `mark_rss` resets to the current RSS (writing 5 to /proc/self/clear_refs).
+# Not getrusage's ru_maxrss: it cannot be reset, and in a spawned process it
+# starts at the *parent's* peak (the fork's copy of the parent's address space
+# is accounted when the child execs), so it says nothing below the driver's own
+# RSS. Each process keeps the peak it had before the mark, for the whole-process rows.
+
+_peak_before_mark = 0
+
+
+def rss_now() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss() -> int:
+    """This process's peak RSS in bytes since it started, or since `mark_rss`."""
+    with open("/proc/self/status") as f:
+        kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    return kib * 1024
+
+
+def mark_rss() -> int:
+    """Reset the peak to the current RSS, and return that RSS; runs on either side."""
+    global _peak_before_mark
+    _peak_before_mark = max(_peak_before_mark, peak_rss())
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return rss_now()
+
+
+def whole_process_peak_rss() -> int:
+    return max(_peak_before_mark, peak_rss())
+
+
 def peak_mem(fw: Framework, n: int) -> dict:
-    fw.rpc.rpc_sync("server", echo, args=(torch.rand(PEAK_MEM_PAYLOAD // 4),))
-    return {}  # the peak RSS of every rank is reported by `worker_main`
+    """Peak RSS of one 128 MiB round trip, minus the RSS right before it, on each side.
+
+    The server's "before" is taken in the server, by a small call just before
+    the big one: that is when the server has finished starting (its gRPC or
+    TensorPipe threads and buffers exist) and waits, idle, for the payload. Taken
+    earlier, e.g. in `worker_main` before `init_rpc`, it would count the
+    framework's start-up as the transfer's cost. The client's "before" includes
+    the payload it is about to send: that tensor is the caller's, not the
+    transfer's. The ideal rise is then 1 × payload on each side (the client's
+    received reply, the server's received argument); anything above is copies.
+    The whole-process peaks (with ~250 MiB of Python and torch) come from
+    `worker_main` at exit.
+    """
+    payload = torch.rand(PEAK_MEM_PAYLOAD // 4)
+    server_before = fw.rpc.rpc_sync("server", mark_rss)
+    client_before = mark_rss()
+    fw.rpc.rpc_sync("server", echo, args=(payload,))
+    client_peak = peak_rss()
+    server_peak = fw.rpc.rpc_sync("server", peak_rss)
+    return {
+        "client_rise": client_peak - client_before,
+        "server_rise": server_peak - server_before,
+    }
 
 
 def combine_trainers(per_rank: list[dict]) -> dict:
@@ -265,12 +342,17 @@ def combine_trainers(per_rank: list[dict]) -> dict:
 
 
 def combine_peak_rss(per_rank: list[dict]) -> dict:
-    client, server = (r["max_rss_bytes"] for r in per_rank)
+    client, server = (r["peak_rss_bytes"] for r in per_rank)
+    rise = per_rank[0]["metrics"]
     return {
         "client_x": client / PEAK_MEM_PAYLOAD,
         "server_x": server / PEAK_MEM_PAYLOAD,
         "client_mib": client / MiB,
         "server_mib": server / MiB,
+        "client_rise_x": rise["client_rise"] / PEAK_MEM_PAYLOAD,
+        "server_rise_x": rise["server_rise"] / PEAK_MEM_PAYLOAD,
+        "client_rise_mib": rise["client_rise"] / MiB,
+        "server_rise_mib": rise["server_rise"] / MiB,
     }
 
 
@@ -298,11 +380,16 @@ class Workload:
     drivers: tuple[int, ...] = (0,)
     combine: Callable[[list[dict]], dict] | None = None  # default: the first driver's metrics
     kwargs: dict = field(default_factory=dict)
+    veth: bool = False  # client and server on two "hosts" (network namespaces), TCP only
 
 
-def _echo(name: str, n: int, n_quick: int) -> Workload:
+SIDES = ("client", "server")
+
+
+def _echo(name: str, n: int, n_quick: int, veth: bool = False) -> Workload:
     row = Row("ms", "round trip", "ms", higher_is_better=False, extra="gb_per_s", extra_unit="GB/s")
-    return Workload(name, echo_tensor, n, n_quick, (row,), kwargs={"nbytes": ECHO_SIZES[name]})
+    kwargs = {"nbytes": ECHO_SIZES[name]}
+    return Workload(name, echo_tensor, n, n_quick, (row,), kwargs=kwargs, veth=veth)
 
 
 WORKLOADS = [
@@ -323,6 +410,8 @@ WORKLOADS = [
     _echo("echo_1m", 100, 40),
     _echo("echo_16m", 20, 8),
     _echo("echo_128m", 4, 2),
+    _echo("veth_echo_16m", 20, 8, veth=True),
+    _echo("veth_echo_128m", 4, 2, veth=True),
     Workload(
         "remote_to_here",
         remote_to_here,
@@ -353,8 +442,11 @@ WORKLOADS = [
         1,
         1,
         (
-            Row("client_x", "peak RSS client", "× payload", False, "client_mib", "MiB"),
-            Row("server_x", "peak RSS server", "× payload", False, "server_mib", "MiB"),
+            *(Row(f"{s}_x", f"peak RSS {s}", "× payload", False, f"{s}_mib", "MiB") for s in SIDES),
+            *(
+                Row(f"{s}_rise_x", f"peak − before {s}", "× payload", False, f"{s}_rise_mib", "MiB")
+                for s in SIDES
+            ),
         ),
         combine=combine_peak_rss,
     ),
@@ -365,21 +457,43 @@ WORKLOADS = [
 
 
 def worker_main(
-    framework: str, workload: Workload, n: int, rank: int, port: int, results: Any
+    framework: str,
+    workload: Workload,
+    n: int,
+    rank: int,
+    port: int,
+    results: Any,
+    host: netns.Host | None = None,
+    master_addr: str = "127.0.0.1",
 ) -> None:
-    """One process of one run: join the group, drive the workload if this rank drives, report."""
+    """One process of one run: join the group, drive the workload if this rank drives, report.
+
+    With `host`, this process is that "host": it moves into its network namespace
+    before anything opens a socket (importing torch, done by now, opens none),
+    and both frameworks are held to TCP on its veth address.
+    """
     global FW
+    report: dict = {"rank": rank, "metrics": None, "error": None}
+    options = None
+    if host is not None:
+        try:
+            if netns.open_sockets():
+                raise RuntimeError("a socket was opened before entering the namespace")
+            netns.enter(host.netns)
+            options = _tcp_only(framework, host)
+        except Exception as e:
+            report["error"] = _short_error(e)
+            _exit_with(report, results)
     # torch's own deprecation notices, printed by every run otherwise.
     warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    report: dict = {"rank": rank, "metrics": None, "error": None}
+    os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(port))
     try:
         FW = Framework(framework)
         FW.rpc.init_rpc(
             workload.roles[rank],
             rank=rank,
             world_size=len(workload.roles),
-            rpc_backend_options=None,
+            rpc_backend_options=options,
         )
         try:
             if rank in workload.drivers:
@@ -391,14 +505,45 @@ def worker_main(
             FW.rpc.shutdown()
     except Exception as e:
         report["error"] = report["error"] or _short_error(e)
-    # ru_maxrss is KiB on Linux.
-    report["max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    report["peak_rss_bytes"] = whole_process_peak_rss()
+    _exit_with(report, results)
+
+
+def _exit_with(report: dict, results: Any) -> None:
     results.put(report)
     # Skip the interpreter's teardown (torch's and gRPC's finalizers): it is not what
     # is measured, and it added seconds to every run. The report is flushed first.
     results.close()
     results.join_thread()
     os._exit(0)
+
+
+def _tcp_only(framework: str, host: netns.Host) -> Any:
+    """Hold `framework` to plain TCP on `host`'s veth address; its backend options.
+
+    rrpc: no shared memory (/dev/shm is shared across network namespaces, and
+    with it on the veth carried ~4 KiB for five 16 MiB round trips); listen on
+    and advertise the veth address.
+    torch: TensorPipe's `uv` transport (TCP) and `basic` channel (tensors over that
+    same connection). Its defaults add the `shm` transport and the `cma` and
+    `mpt_uv` channels; `cma` copies tensors with process_vm_readv, which works
+    across network namespaces: with `_transports=["uv"]` alone the veth carried
+    ~16 KiB for five 16 MiB round trips. TP_SOCKET_IFNAME makes TensorPipe
+    listen on and advertise the veth address, GLOO_SOCKET_IFNAME does the same
+    for the Gloo group torch's init_rpc builds for its barriers. Without either,
+    init fails: both advertise the address of the hostname, 127.0.0.1 here,
+    which inside a namespace is that namespace's own loopback.
+    Checked by hand: with these settings `ip -n <ns> -s link show <veth>` counted
+    80 MiB each way (rx and tx) for five 16 MiB round trips, for both
+    frameworks; and `run_once` checks the counters on every run.
+    """
+    if framework == "rrpc":
+        os.environ.update(RRPC_SHM="0", RRPC_ADVERTISE_HOST=host.address)
+        return None
+    os.environ.update(TP_SOCKET_IFNAME=host.ifname, GLOO_SOCKET_IFNAME=host.ifname)
+    from torch.distributed.rpc import TensorPipeRpcBackendOptions
+
+    return TensorPipeRpcBackendOptions(_transports=["uv"], _channels=["basic"])
 
 
 def _short_error(e: BaseException) -> str:
@@ -413,14 +558,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_once(framework: str, workload: Workload, n: int) -> dict:
-    """Run one workload on one framework in fresh processes; its metrics, or {"error": ...}."""
+def run_once(
+    framework: str, workload: Workload, n: int, pair: netns.VethPair | None = None
+) -> dict:
+    """Run one workload on one framework in fresh processes; its metrics, or {"error": ...}.
+
+    A `veth` workload runs its client (rank 0, which also hosts the rendezvous
+    store) on host A of `pair` and its server on host B.
+    """
     spawn = multiprocessing.get_context("spawn")
     results = spawn.Queue()
-    port = free_port()
+    hosts: list[netns.Host | None] = [None] * len(workload.roles)
+    master_addr = "127.0.0.1"
+    if workload.veth:
+        assert pair is not None and len(workload.roles) == 2
+        hosts = [pair.a, pair.b]
+        master_addr = pair.a.address
+        port = pair.a.free_port()
+        link_before = pair.link_bytes()
+    else:
+        port = free_port()
     procs = [
         spawn.Process(
-            target=worker_main, args=(framework, workload, n, rank, port, results), daemon=True
+            target=worker_main,
+            args=(framework, workload, n, rank, port, results, hosts[rank], master_addr),
+            daemon=True,
         )
         for rank in range(len(workload.roles))
     ]
@@ -445,7 +607,26 @@ def run_once(framework: str, workload: Workload, n: int) -> dict:
         return {"error": errors[0]}
     if workload.combine:
         return workload.combine(per_rank)
-    return per_rank[workload.drivers[0]]["metrics"]
+    metrics = per_rank[workload.drivers[0]]["metrics"]
+    if workload.veth:
+        assert pair is not None
+        return check_link(metrics, pair, link_before, workload.kwargs["nbytes"], n)
+    return metrics
+
+
+def check_link(
+    metrics: dict, pair: netns.VethPair, before: tuple[int, int], nbytes: int, n: int
+) -> dict:
+    """The metrics, with the veth's bytes per call; or an error if the payloads did not
+    cross the link (a transport that found another way, e.g. shared memory)."""
+    rx, tx = (after - was for after, was in zip(pair.link_bytes(), before, strict=True))
+    calls = n + ECHO_WARMUP
+    if min(rx, tx) < nbytes * calls:
+        return {
+            "error": f"only {rx / MiB:.1f}/{tx / MiB:.1f} MiB crossed the veth"
+            f" for {calls} × {nbytes / MiB:.0f} MiB each way"
+        }
+    return {**metrics, "link_bytes_per_call": (rx + tx) / calls}
 
 
 def collect_reports(procs: list, results: Any) -> list[dict] | str:
@@ -469,13 +650,24 @@ def collect_reports(procs: list, results: Any) -> list[dict] | str:
 
 
 def benchmark(
-    workload: Workload, frameworks: list[str], repeats: int, quick: bool, broken: dict
+    workload: Workload,
+    frameworks: list[str],
+    repeats: int,
+    quick: bool,
+    broken: dict,
+    hosts: netns.VethPair | str | None = None,
 ) -> dict:
     """Median of each metric over `repeats` interleaved runs, per framework (or an error).
 
     A framework whose run fails is not run again for this workload: the error is
-    its result, and repeating a failure (or a timeout) only costs time.
+    its result, and repeating a failure (or a timeout) only costs time. `hosts`
+    is the veth pair for `veth` workloads, or why there is none.
     """
+    if workload.veth and not isinstance(hosts, netns.VethPair):
+        reason = hosts or "no veth pair"
+        print(f"  {workload.name:<15} n/a ({reason})", file=sys.stderr, flush=True)
+        return {fw: {"unavailable": reason} for fw in frameworks}
+    pair = hosts if isinstance(hosts, netns.VethPair) else None
     n = workload.n_quick if quick else workload.n
     runs: dict[str, list[dict]] = {fw: [] for fw in frameworks}
     failed = dict(broken)
@@ -485,7 +677,7 @@ def benchmark(
             if fw in failed:
                 continue
             started = time.monotonic()
-            result = run_once(fw, workload, n)
+            result = run_once(fw, workload, n, pair)
             if "error" in result:
                 failed[fw] = result["error"]
             else:
@@ -532,6 +724,8 @@ def _load() -> str:
 
 
 def format_cell(result: dict, row: Row) -> str:
+    if "unavailable" in result:
+        return f"n/a ({result['unavailable']})"
     if "error" in result:
         return f"n/a (error: {result['error']})"
     text = f"{_number(result[row.metric])} {row.unit}"
@@ -553,7 +747,7 @@ def _number(value: float) -> str:
 
 
 def speedup(torch_result: dict, rrpc_result: dict, row: Row) -> float | None:
-    if "error" in torch_result or "error" in rrpc_result:
+    if any(k in r for k in ("error", "unavailable") for r in (torch_result, rrpc_result)):
         return None
     ratio = rrpc_result[row.metric] / torch_result[row.metric]
     return ratio if row.higher_is_better else 1 / ratio
@@ -639,10 +833,18 @@ def main(argv: list[str] | None = None) -> None:
         print(f"note: {fw} is not importable ({error}); its cells read n/a")
     started = time.monotonic()
     results = {}
-    for workload in WORKLOADS:
-        if workload.name in args.only:
+    selected = [w for w in WORKLOADS if w.name in args.only]
+    # SIGTERM as an exception, so that the veth pair is removed on it too.
+    with netns.terminate_as_exit(), contextlib.ExitStack() as cleanup:
+        hosts: netns.VethPair | str | None = None
+        if any(w.veth for w in selected):
+            try:
+                hosts = cleanup.enter_context(netns.VethPair.create())
+            except (RuntimeError, OSError) as e:
+                hosts = str(e)
+        for workload in selected:
             results[workload.name] = benchmark(
-                workload, args.frameworks, args.repeats, args.quick, broken
+                workload, args.frameworks, args.repeats, args.quick, broken, hosts
             )
     print()
     print_table(results, args.frameworks)
