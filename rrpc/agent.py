@@ -97,9 +97,47 @@ class PeerStats:
         return stats
 
 
+class SyncReply:
+    """The reply to a call whose caller blocks for it (``rpc_sync``): a bare
+    lock, released when the reply is in; a fraction of a torch Future's cost."""
+
+    __slots__ = ("_arrived", "_value", "_error")
+
+    def __init__(self) -> None:
+        self._arrived = threading.Lock()
+        self._arrived.acquire()
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    def set_result(self, value: Any) -> None:
+        self._value = value
+        self._arrived.release()
+
+    def set_exception(self, error: BaseException) -> None:
+        self._error = error
+        self._arrived.release()
+
+    def wait_done(self, timeout: float) -> bool:
+        if not self._arrived.acquire(timeout=-1 if timeout == math.inf else max(0.0, timeout)):
+            return False
+        self._arrived.release()
+        return True
+
+    def wait(self) -> Any:
+        """The value, or raise the error (the reply holds on to neither)."""
+        self.wait_done(math.inf)
+        value, error, self._value, self._error = self._value, self._error, None, None
+        if error is not None:
+            try:
+                raise error
+            finally:
+                del error  # no cycle between this frame and the error's traceback
+        return value
+
+
 @dataclass(slots=True)
 class _Pending:
-    future: torch.futures.Future
+    future: torch.futures.Future | SyncReply
     peer: WorkerInfo
     what: str
     deadline: float
@@ -338,8 +376,11 @@ class Agent:
         return stats
 
     # -- Sending ---------------------------------------------------------------
-    def send(self, peer: WorkerInfo, kind: int, obj: Any, timeout: float, what: str):
-        """Send a request; returns a ``torch.futures.Future`` of its reply."""
+    def send(
+        self, peer: WorkerInfo, kind: int, obj: Any, timeout: float, what: str, sync: bool = False
+    ) -> Any:
+        """Send a request; returns a ``torch.futures.Future`` of its reply
+        (with ``sync``, a ``SyncReply`` for a caller that blocks at once)."""
         if self._stopped:
             raise RpcError(f"{what} to {peer.name}: rrpc on {self.info.name} is shut down")
         context_id = thread_state.autograd_context_id
@@ -358,7 +399,7 @@ class Agent:
             key = (self.info.id, request_id, False)
             self.autograd_hooks.on_send(context_id, peer, key, out.grad_tensors)
         connection = self._connection(peer)
-        future: torch.futures.Future = torch.futures.Future()
+        future: SyncReply | torch.futures.Future = SyncReply() if sync else torch.futures.Future()
         now = time.monotonic()
         deadline = now + timeout if timeout > 0 else math.inf
         self._pending[request_id] = _Pending(future, peer, what, deadline, now, connection)
@@ -609,7 +650,9 @@ def set_current_agent(agent: Agent | None) -> None:
     _current = agent
 
 
-def _wait_future(future: torch.futures.Future, timeout: float) -> bool:
+def _wait_future(future: torch.futures.Future | SyncReply, timeout: float) -> bool:
+    if isinstance(future, SyncReply):
+        return future.wait_done(timeout)
     if future.done():
         return True
     event = threading.Event()

@@ -9,8 +9,10 @@ their own options (one worker thread) start their own world.
 
 from __future__ import annotations
 
+import gc
 import operator
 import threading
+import weakref
 
 import torch
 
@@ -235,6 +237,40 @@ def test_a_thousand_concurrent_rpc_async_calls_all_return_their_own_result(clust
     ours, theirs = cluster.run(_thousand_concurrent_calls)
     assert ours == [4 * i for i in range(1000)]
     assert theirs == [4 * i for i in range(1000)]
+
+
+def _raise_value_error():
+    raise ValueError("from worker1")
+
+
+def _failed_call_frees_the_callers_frames():
+    """An error raised out of rpc_sync must not keep the caller's frames (and
+    their locals) alive: with the garbage collector off, refcounting frees them."""
+
+    class Marker:
+        pass
+
+    def call(marker):
+        rrpc.rpc_sync("worker1", _raise_value_error)
+
+    gc.disable()
+    try:
+        marker = Marker()
+        alive = weakref.ref(marker)
+        try:
+            call(marker)
+        except ValueError:
+            pass
+        del marker
+        return alive() is None
+    finally:
+        gc.enable()
+
+
+def test_an_error_from_rpc_sync_leaves_no_reference_cycle_to_the_callers_frames(cluster):
+    # (A torch Future that raises from wait() keeps its error, and so the
+    # raising frames, alive from C++: rpc_sync must not go through one.)
+    assert cluster.run(_failed_call_frees_the_callers_frames)
 
 
 # -- Nesting -------------------------------------------------------------------
