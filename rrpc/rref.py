@@ -28,6 +28,8 @@ Rules:
   held by any of them would never be deleted). Futures are read with
   ``_outcome`` (drops that traceback); a value's error is kept as a ``_Failed``
   result, never with ``set_exception``, and raised as a copy (``_result``).
+  Calls read at once (``rpc_sync()`` proxies, most ``to_here()``) wait on an
+  agent ``SyncReply`` instead, which raises its own fresh error and keeps none.
 
 Values on the owner live in the owner ``RRef`` object (``_future``: a
 ``torch.futures.Future`` of the value, pending while ``remote()``'s function
@@ -55,7 +57,7 @@ import torch
 from rrpc import agent as agent_module
 from rrpc import autograd as dist_autograd
 from rrpc import codec
-from rrpc.agent import Agent, Deferred, current_agent
+from rrpc.agent import Agent, Deferred, SyncReply, current_agent
 from rrpc.functions import async_execution, is_async_execution
 from rrpc.messages import (
     CALL,
@@ -396,6 +398,15 @@ def _result(future: torch.futures.Future) -> Any:
     return value
 
 
+def _sync_result(reply: SyncReply) -> Any:
+    """``_result`` for a call's ``SyncReply``: its error is its own (fresh from
+    the reply), a _Failed value is raised as a copy."""
+    value = reply.wait()
+    if isinstance(value, _Failed):
+        raise _copy_error(value.error)
+    return value
+
+
 def _complete(target: torch.futures.Future, source: torch.futures.Future) -> None:
     """Set value future ``target`` from a call's future ``source``."""
     value, error = _outcome(source)
@@ -611,9 +622,12 @@ class RRef(Generic[T]):
             return _wait(self._future, timeout, f"to_here() of {self!r}")
         self._check_created()
         what = f"to_here() of {self!r}"
+        if self._deadline == math.inf or self._creation.done():  # type: ignore[union-attr]
+            return _sync_result(
+                ctx.agent.send(self._owner, RREF_FETCH, (self._id,), timeout, what, True)
+            )
         fetch = ctx.agent.send(self._owner, RREF_FETCH, (self._id,), timeout, what)
-        if self._deadline != math.inf and not self._creation.done():  # type: ignore[union-attr]
-            self._wait_for_creation_or(fetch)
+        self._wait_for_creation_or(fetch)
         return _result(_done(fetch))
 
     def backward(self, dist_autograd_ctx_id: int = -1, retain_graph: bool = False) -> None:
@@ -635,7 +649,7 @@ class RRef(Generic[T]):
             _backward_on_owner(self, dist_autograd_ctx_id, retain_graph)
             return
         args = (self, dist_autograd_ctx_id, retain_graph)
-        _result(_done(_call_on_owner(self, _backward_on_owner, args, UNSET_RPC_TIMEOUT)))
+        _sync_result(_call_on_owner(self, _backward_on_owner, args, UNSET_RPC_TIMEOUT, sync=True))
 
     def _get_future(self) -> torch.futures.Future:
         """The future of this RRef's creation on its owner (remote()); for
@@ -653,7 +667,8 @@ class RRef(Generic[T]):
             if self._fork is None:
                 self._type = type(self.local_value())
             else:
-                self._type = _result(_done(_call_on_owner(self, _type_of, (self,), timeout)))
+                reply = _call_on_owner(self, _type_of, (self,), timeout, sync=True)
+                self._type = _sync_result(reply)
         if blocking:
             return self._type
         future: torch.futures.Future = torch.futures.Future()
@@ -760,18 +775,22 @@ def _invoke(rref: RRef, mode: str, method: str, timeout: float, *args: Any, **kw
     call_args = (rref, method, args, kwargs)
     if mode == "remote":
         return remote(rref._owner, _invoke_on_owner, call_args, timeout=timeout)
-    future = _call_on_owner(rref, _invoke_on_owner, call_args, timeout, method)
-    if mode == "rpc_async":
-        return future
-    return _result(_done(future))  # (not held in this frame: see _result)
+    if mode == "rpc_sync":
+        return _sync_result(
+            _call_on_owner(rref, _invoke_on_owner, call_args, timeout, method, True)
+        )
+    return _call_on_owner(rref, _invoke_on_owner, call_args, timeout, method)
 
 
 def _call_on_owner(
-    rref: RRef, func: Callable, args: tuple, timeout: float, method: str = ""
-) -> torch.futures.Future:
+    rref: RRef, func: Callable, args: tuple, timeout: float, method: str = "", sync: bool = False
+) -> Any:
+    """Run ``func(*args)`` on the owner: a Future of its result, or with
+    ``sync`` a ``SyncReply`` to read with ``_sync_result`` at once."""
     agent = rref._live_context().agent
     what = f"{method or _name(func)}() on the value of {rref!r}"
-    return agent.send(rref._owner, CALL, (func, args, {}), _resolve_timeout(agent, timeout), what)
+    timeout = _resolve_timeout(agent, timeout)
+    return agent.send(rref._owner, CALL, (func, args, {}), timeout, what, sync)
 
 
 @async_execution
