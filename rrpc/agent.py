@@ -173,10 +173,22 @@ def rebuild_remote_exception(payload: tuple) -> BaseException:
 
 
 class _WorkerPool:
-    """Fixed threads running incoming requests; a bare queue keeps submit cheap."""
+    """Fixed threads running incoming requests; a bare queue keeps submit cheap.
+
+    At most ``size`` requests run at once, counting those a stream's reader
+    runs itself (``run_inline``): a permit per running request, so that
+    ``num_worker_threads=1`` still means one user function at a time, in the
+    order the requests came."""
 
     def __init__(self, size: int, name: str):
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._permits: queue.SimpleQueue = queue.SimpleQueue()
+        for _ in range(size):
+            self._permits.put(True)
+        # Submitted and started tasks (itertools counts: atomic under the GIL);
+        # while they differ, a task is on its way and nothing may overtake it.
+        self._submits, self._starts = itertools.count(1), itertools.count(1)
+        self._submitted = self._started = 0
         self._threads = [
             threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(size)
         ]
@@ -184,18 +196,38 @@ class _WorkerPool:
             thread.start()
 
     def submit(self, fn: Callable[..., None], *args: Any) -> None:
+        self._submitted = next(self._submits)
         self._tasks.put((fn, args))
+
+    def run_inline(self, fn: Callable[..., None], *args: Any) -> bool:
+        """Run ``fn(*args)`` on this thread if a permit is free and no task
+        submitted earlier is still to start; False (nothing run) otherwise."""
+        if self._submitted != self._started:
+            return False
+        try:
+            permit = self._permits.get_nowait()
+        except queue.Empty:
+            return False
+        self._execute(permit, fn, args)
+        return True
 
     def _run(self) -> None:
         while (task := self._tasks.get()) is not None:
             fn, args = task
-            try:
-                fn(*args)
-            except BaseException:
-                log.exception("rrpc: a request handler failed outside its own error handling")
+            permit = self._permits.get()
+            self._started = next(self._starts)
+            self._execute(permit, fn, args)
             # Drop the request now, not when the next one arrives: it may hold
             # a peer's shared-memory slot, which is freed with its last tensor.
             del task, fn, args
+
+    def _execute(self, permit: Any, fn: Callable[..., None], args: tuple) -> None:
+        try:
+            fn(*args)
+        except BaseException:
+            log.exception("rrpc: a request handler failed outside its own error handling")
+        finally:
+            self._permits.put(permit)
 
     def stop(self, timeout: float) -> None:
         for _ in self._threads:
@@ -515,13 +547,15 @@ class Agent:
     def register(self, kind: int, handler: Handler) -> None:
         self.handlers[kind] = handler
 
-    def _on_request(self, frame: codec.Frame, peer_rank: int, respond) -> None:
+    def _on_request(self, frame: codec.Frame, peer_rank: int, respond, inline: bool) -> None:
         peer = self._peers_by_rank.get(peer_rank)
         if peer is None:
             peer = (self._learn(peer_rank) if self.lookup else None) or WorkerInfo(
                 f"rank{peer_rank}", peer_rank
             )
-        self._pool.submit(self._serve, frame, peer, respond)
+        # Inline: on the stream's reader thread, which handed reading to its partner.
+        if not (inline and self._pool.run_inline(self._serve, frame, peer, respond)):
+            self._pool.submit(self._serve, frame, peer, respond)
 
     def _serve(self, frame: codec.Frame, peer: WorkerInfo, respond) -> None:
         envelope = frame.envelope

@@ -238,6 +238,7 @@ def _dump_with(pickler: Any, out: io.BytesIO, buffers: list, obj: Any) -> tuple:
         raise
     finally:
         _state.undo = previous_undo
+        pickler.grad_tensors = None  # a reused pickler must not keep the tensors alive
     return out.getvalue(), list(buffers), grad_tensors
 
 

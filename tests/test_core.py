@@ -455,6 +455,45 @@ def test_tensors_larger_than_4mib_arrive_exact_even_several_at_once(cluster):
 
 # -- async_execution (own world: one worker thread) ------------------------------
 
+_running = {"now": 0, "most": 0, "order": []}
+_running_lock = threading.Lock()
+
+
+def _run_one(i):
+    with _running_lock:
+        _running["now"] += 1
+        _running["most"] = max(_running["most"], _running["now"])
+        _running["order"].append(i)
+    sum(range(20_000))  # some work, holding nothing
+    with _running_lock:
+        _running["now"] -= 1
+    return i
+
+
+def _run_one_stats():
+    return _running["most"], _running["order"]
+
+
+def _many_calls_to_a_one_thread_worker(rank, world_size):
+    if rank != 0:
+        return None
+    replies = [rrpc.rpc_async("worker1", _run_one, args=(i,)) for i in range(200)]
+    replies += [rrpc.rpc_async("worker1", _run_one, args=(200 + i,)).wait() for i in range(50)]
+    assert [r if isinstance(r, int) else r.wait() for r in replies] == list(range(250))
+    return rrpc.rpc_sync("worker1", _run_one_stats)
+
+
+def test_num_worker_threads_bounds_concurrency_and_keeps_arrival_order():
+    # Requests may run on the stream's reader thread instead of the pool;
+    # num_worker_threads=1 must still mean one at a time, in arrival order.
+    options = rrpc.RpcBackendOptions(num_worker_threads=1)
+    most, order = run_workers(
+        _many_calls_to_a_one_thread_worker, 2, backend_options=options, timeout=60
+    )[0]
+    assert most == 1
+    assert order == list(range(250))
+
+
 _parked: list[torch.futures.Future] = []
 
 

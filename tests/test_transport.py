@@ -100,3 +100,47 @@ def test_batch_delay_has_an_env_switch_and_a_sane_range(monkeypatch):
     assert options.RpcBackendOptions().batch_delay > 0
     with pytest.raises(ValueError, match="batch_delay"):
         options.RpcBackendOptions(batch_delay=1.0)
+
+
+# -- Taking turns reading an incoming stream ------------------------------------
+def _packet(*names: str) -> bytes:
+    return b"".join(b"".join(codec.encode(3, 1, name).pieces) for name in names)
+
+
+def _turns(packets, waiting_partner: bool):
+    """Run one reader over ``packets`` on this thread; with ``waiting_partner``
+    as if the other reader were waiting for the turn. Returns what it did."""
+    outbox = transport.Outbox(packet_size=1 << 20)
+    seen = []
+    readers = transport._TakeTurns(
+        iter(packets),
+        codec.FrameReader(),
+        outbox,
+        lambda frame, inline: seen.append((codec.loads(frame), inline)),
+    )
+    readers._waiting = 1 if waiting_partner else 0
+    readers.run()
+    return seen, outbox
+
+
+def test_a_lone_request_runs_on_the_thread_that_read_it_when_the_partner_reads_on():
+    seen, _ = _turns([_packet("a")], waiting_partner=True)
+    assert seen == [("a", True)]
+
+
+def test_without_a_free_partner_every_request_goes_to_the_pool():
+    seen, _ = _turns([_packet("a"), _packet("b")], waiting_partner=False)
+    assert seen == [("a", False), ("b", False)]
+
+
+def test_of_a_batched_packet_only_the_last_request_may_run_inline():
+    # The others go to the pool first: none waits behind one that might block.
+    seen, _ = _turns([_packet("a", "b", "c")], waiting_partner=True)
+    assert seen == [("a", False), ("b", False), ("c", True)]
+
+
+def test_a_malformed_packet_ends_the_stream_with_its_error():
+    seen, outbox = _turns([_packet("a"), b"\xff\xff\xff\x7fgarbage"], waiting_partner=True)
+    assert seen == [("a", True)]
+    with pytest.raises(codec.ProtocolError):
+        list(outbox.packets())
