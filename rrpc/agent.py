@@ -317,7 +317,7 @@ class Agent:
         # Same-host fast path: our slots, peers' slots we mapped, peers that can map ours.
         self.shm_pool = shm.SenderPool() if options.shared_memory else None
         self._attachments = shm.Attachments()
-        self._shm_peers: set[int] = set()
+        self._shm_peers: dict[int, shm.Placer] = {}  # rank -> our pool, bound to its pid
         self._pool = _WorkerPool(options.num_worker_threads, f"rrpc-{name}")
         self._deadlines = _Deadlines(self._pending, self._expire)
         self.server = transport.Server(
@@ -349,7 +349,8 @@ class Agent:
             and advertised.get("host") == shm.host_key()
             and self._attachments.can_open(advertised["probe"])
         ):
-            self._shm_peers.add(info.id)
+            pid = int(advertised["probe"].split("/")[0])
+            self._shm_peers[info.id] = self.shm_pool.towards(pid)
 
     def worker_info(self, to: Any) -> WorkerInfo:
         """Resolve a name, a rank or a WorkerInfo to a known worker."""
@@ -424,7 +425,7 @@ class Agent:
             autograd_context_id=context_id,
             peer=peer,
             max_message_size=self.options.max_message_size,
-            shared_memory=self.shm_pool if peer.id in self._shm_peers else None,
+            shared_memory=self._shm_peers.get(peer.id),
             shm_threshold=self.options.shm_threshold,
         )
         if out.grad_tensors and context_id and self.autograd_hooks is not None:
@@ -612,7 +613,7 @@ class Agent:
                 autograd_context_id=context_id,
                 peer=peer,
                 max_message_size=self.options.max_message_size,
-                shared_memory=self.shm_pool if peer.id in self._shm_peers else None,
+                shared_memory=self._shm_peers.get(peer.id),
                 shm_threshold=self.options.shm_threshold,
             )
         except BaseException as exc:

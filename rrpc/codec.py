@@ -44,7 +44,7 @@ import torch
 
 from rrpc._proto.rrpc_pb2 import Envelope, SharedBuffer
 from rrpc.messages import MessageTooLargeError, RpcError, SerializationError
-from rrpc.shm import SenderPool
+from rrpc.shm import Placer
 
 HEADER = struct.Struct("<I")
 MAX_ENVELOPE_SIZE = 1 << 20  # an envelope is tens of bytes; anything near this is garbage
@@ -283,7 +283,7 @@ def encode(
     autograd_context_id: int = 0,
     peer: Any = None,
     max_message_size: int = 0,
-    shared_memory: SenderPool | None = None,
+    shared_memory: Placer | None = None,
     shm_threshold: int = 1 << 20,
 ) -> Outgoing:
     """Encode one message into frame pieces. Raises SerializationError or

@@ -16,6 +16,8 @@ Rules:
   and x86 keeps the receiver's reads of the data ordered before its clear.
 - Slots are pre-faulted when created and reused after: new memory costs a
   page fault per 4 KiB here, which is what makes fresh buffers slow.
+- A slot remembers the process it was sent to; if that process died without
+  freeing it, the slot is taken back when the pool next needs one of its size.
 - The path is used only towards peers that proved they can open this
   worker's segments (``probe``); anything else, or a full pool, falls back
   to the stream. ``shared_memory=False`` (env ``RRPC_SHM=0``) turns it off.
@@ -50,7 +52,7 @@ def host_key() -> str:
 
 
 class _Segment:
-    __slots__ = ("fd", "capacity", "map", "array", "name")
+    __slots__ = ("fd", "capacity", "map", "array", "name", "holder")
 
     def __init__(self, capacity: int):
         self.fd = os.memfd_create("rrpc-shm", os.MFD_CLOEXEC)
@@ -60,6 +62,7 @@ class _Segment:
         self.array = np.frombuffer(self.map, dtype=np.uint8)
         self.array[::_PAGE] = 0  # pre-fault every page once
         self.name = f"{os.getpid()}/{self.fd}"
+        self.holder = 0  # pid of the process the slot was last sent to
 
     @property
     def busy(self) -> bool:
@@ -77,30 +80,55 @@ class SenderPool:
         self.probe = _Segment(_PAGE)
         self.probe.array[HEADER : HEADER + len(MAGIC)] = np.frombuffer(MAGIC, dtype=np.uint8)
 
-    def place(self, raw: memoryview) -> SharedBuffer | None:
-        """Copy ``raw`` into a free slot; None when the pool is at its limit."""
+    def place(self, raw: memoryview, holder: int = 0) -> SharedBuffer | None:
+        """Copy ``raw`` into a free slot for process ``holder`` (its pid);
+        None when the pool is at its limit."""
         size = len(raw)
-        segment = self._acquire(size)
+        segment = self._acquire(size, holder)
         if segment is None:
             return None
         segment.array[HEADER : HEADER + size] = np.frombuffer(raw, dtype=np.uint8)
         return SharedBuffer(segment=segment.name, offset=HEADER, size=size)
 
-    def _acquire(self, size: int) -> _Segment | None:
+    def towards(self, holder: int) -> Placer:
+        """``place`` bound to one receiving process."""
+        return Placer(self, holder)
+
+    def _acquire(self, size: int, holder: int) -> _Segment | None:
         capacity = 1 << max(size - 1, 1).bit_length()
         with self._lock:
             segments = self._by_capacity.setdefault(capacity, [])
-            for segment in segments:
-                if not segment.busy:
-                    segment.array[0] = 1
-                    return segment
-            if self._total + capacity > self._limit:
-                return None
-            segment = _Segment(capacity)
-            self._total += capacity
+            segment = self._free(segments) or self._reclaim(segments)
+            if segment is None:
+                if self._total + capacity > self._limit:
+                    return None
+                segment = _Segment(capacity)
+                self._total += capacity
+                segments.append(segment)
             segment.array[0] = 1
-            segments.append(segment)
+            segment.holder = holder
             return segment
+
+    @staticmethod
+    def _free(segments: list[_Segment]) -> _Segment | None:
+        for segment in segments:
+            if not segment.busy:
+                return segment
+        return None
+
+    @staticmethod
+    def _reclaim(segments: list[_Segment]) -> _Segment | None:
+        """A slot whose receiver died before freeing it: only the receiver
+        clears the busy byte, so without this it would stay busy for good."""
+        for segment in segments:
+            if segment.holder and not _alive(segment.holder):
+                return segment
+        return None
+
+    def debug_info(self) -> dict[str, int]:
+        with self._lock:
+            segments = [s for group in self._by_capacity.values() for s in group]
+            return {"segments": len(segments), "busy": sum(s.busy for s in segments)}
 
     def close(self) -> None:
         with self._lock:
@@ -108,6 +136,27 @@ class SenderPool:
                 os.close(segment.fd)
             self._by_capacity.clear()
         os.close(self.probe.fd)
+
+
+class Placer:
+    """``SenderPool.place`` for one receiving process."""
+
+    __slots__ = ("_pool", "_holder")
+
+    def __init__(self, pool: SenderPool, holder: int):
+        self._pool, self._holder = pool, holder
+
+    def place(self, raw: memoryview) -> SharedBuffer | None:
+        return self._pool.place(raw, self._holder)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _release(array: np.ndarray) -> None:
