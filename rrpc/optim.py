@@ -9,6 +9,9 @@ Theory of operation
 - ``step(context_id)`` asks every owner, in parallel, to step its local
   optimizer with that worker's gradients in the context (``get_gradients``)
   and waits for all of them; the first error is raised once all have answered.
+  A step names the local optimizer by a number the owner gave it, not by its
+  RRef: passing an RRef to its owner costs an extra ACCEPT exchange per call
+  (the RRef, held here, is what keeps the local optimizer alive there).
 - Parameters may be shared by several trainers' optimizers (data-parallel
   trainers over one model): on each worker one lock (``autograd.grad_lock``,
   also held by backward passes, which borrow ``.grad`` too) serialises "set
@@ -20,6 +23,8 @@ Theory of operation
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from collections import defaultdict
 from typing import Any
 
@@ -56,14 +61,25 @@ class _LocalOptimizer:
                     param.grad = grad
 
 
+# This worker's local optimizers by number; each lives while its RRef does.
+_local_optimizers: weakref.WeakValueDictionary[int, _LocalOptimizer] = weakref.WeakValueDictionary()
+_numbers = itertools.count(1)
+
+
 def _new_local_optimizer(
     optimizer_class: type, param_rrefs: list[RRef], *args: Any, **kwargs: Any
-) -> RRef:
-    return RRef(_LocalOptimizer(optimizer_class, param_rrefs, *args, **kwargs))
+) -> tuple[RRef, int]:
+    local = _LocalOptimizer(optimizer_class, param_rrefs, *args, **kwargs)
+    number = next(_numbers)
+    _local_optimizers[number] = local
+    return RRef(local), number
 
 
-def _local_optimizer_step(optimizer_rref: RRef, context_id: int) -> None:
-    optimizer_rref.local_value().step(context_id)
+def _local_optimizer_step(number: int, context_id: int) -> None:
+    local = _local_optimizers.get(number)
+    if local is None:
+        raise RuntimeError(f"local optimizer {number} is gone: its DistributedOptimizer was freed")
+    local.step(context_id)
 
 
 def _wait_all(futures: list[torch.futures.Future]) -> list[Any]:
@@ -107,7 +123,7 @@ class DistributedOptimizer:
         by_owner: dict[Any, list[RRef]] = defaultdict(list)
         for rref in params_rref:
             by_owner[rref.owner()].append(rref)
-        self.remote_optimizers: list[RRef] = _wait_all(
+        created: list[tuple[RRef, int]] = _wait_all(
             [
                 rpc_async(
                     owner,
@@ -118,13 +134,15 @@ class DistributedOptimizer:
                 for owner, rrefs in by_owner.items()
             ]
         )
+        self.remote_optimizers: list[RRef] = [rref for rref, _ in created]
+        self._numbers = [number for _, number in created]
 
     def step(self, context_id: int) -> None:
         """Step every owner's optimizer with its gradients in ``context_id``; wait for all."""
         autograd._is_valid_context(context_id)
         _wait_all(
             [
-                rpc_async(optimizer.owner(), _local_optimizer_step, args=(optimizer, context_id))
-                for optimizer in self.remote_optimizers
+                rpc_async(optimizer.owner(), _local_optimizer_step, args=(number, context_id))
+                for optimizer, number in zip(self.remote_optimizers, self._numbers, strict=True)
             ]
         )

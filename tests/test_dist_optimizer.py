@@ -249,6 +249,34 @@ def test_step_leaves_the_parameters_grad_attribute_alone(cluster, no_state_left_
     assert cluster.run(_grad_attribute_untouched) is None
 
 
+def _what_a_step_sends():
+    w = rrpc.remote("worker1", _param, args=((3, 3), 62))
+    optimizer = DistributedOptimizer(torch.optim.SGD, [w], lr=0.1)
+    sent = []
+    real = rrpc.optim.rpc_async
+
+    def recording(to, func, args=None, kwargs=None, timeout=-1.0):
+        sent.append(args)
+        return real(to, func, args, kwargs, timeout)
+
+    rrpc.optim.rpc_async = recording
+    try:
+        with rrpc.autograd.context() as context_id:
+            loss = rrpc.rpc_sync("worker1", _linear, args=(w, torch.ones(1, 3))).sum()
+            rrpc.autograd.backward(context_id, [loss])
+            optimizer.step(context_id)
+    finally:
+        rrpc.optim.rpc_async = real
+    return [[type(arg).__name__ for arg in args] for args in sent]
+
+
+def test_a_step_names_the_local_optimizer_instead_of_passing_its_rref(
+    cluster, no_state_left_behind
+):
+    # An RRef passed to its owner costs an ACCEPT exchange on every step.
+    assert cluster.run(_what_a_step_sends) == [["int", "int"]]
+
+
 # -- Nothing leaks -------------------------------------------------------------
 def _memory_probe():
     gc.collect()
