@@ -772,14 +772,25 @@ class _Proxy:
 
 def _invoke(rref: RRef, mode: str, method: str, timeout: float, *args: Any, **kwargs: Any) -> Any:
     rref._check_created()
-    call_args = (rref, method, args, kwargs)
+    func: Callable = _invoke_on_owner
+    call_args: tuple = (rref, method, args, kwargs)
+    if mode != "remote" and rref._fork is not None:
+        # A user RRef goes by id: pickled, it would be a fork that the owner
+        # confirms with an ACCEPT exchange on every call. The caller holds
+        # the RRef until the reply (rpc_sync blocks, rpc_async's future keeps
+        # it), so the owner cannot free the value meanwhile.
+        func, call_args = _invoke_on_owner_by_id, (rref._id, method, args, kwargs)
     if mode == "remote":
-        return remote(rref._owner, _invoke_on_owner, call_args, timeout=timeout)
+        return remote(rref._owner, func, call_args, timeout=timeout)
     if mode == "rpc_sync":
-        return _sync_result(
-            _call_on_owner(rref, _invoke_on_owner, call_args, timeout, method, True)
-        )
-    return _call_on_owner(rref, _invoke_on_owner, call_args, timeout, method)
+        return _sync_result(_call_on_owner(rref, func, call_args, timeout, method, True))
+    future = _call_on_owner(rref, func, call_args, timeout, method)
+    future.add_done_callback(functools.partial(_hold_until_done, rref))
+    return future
+
+
+def _hold_until_done(rref: RRef, future: torch.futures.Future) -> None:
+    """A done-callback whose only job is to keep ``rref`` alive until then."""
 
 
 def _call_on_owner(
@@ -814,6 +825,17 @@ def _backward_on_owner(rref: RRef, context_id: int, retain_graph: bool) -> None:
         value.backward(retain_graph=retain_graph)
     else:
         dist_autograd.backward(context_id, [value], retain_graph=retain_graph)
+
+
+@async_execution
+def _invoke_on_owner_by_id(
+    rref_id: RRefId, method: str, args: tuple, kwargs: dict
+) -> torch.futures.Future:
+    """``_invoke_on_owner`` for a value named by id (see ``_invoke``)."""
+    ctx = _context()
+    with ctx.lock:
+        holder = ctx.owners.holder(rref_id)
+    return _invoke_on_owner(holder, method, args, kwargs)
 
 
 def _type_of(rref: RRef) -> type:

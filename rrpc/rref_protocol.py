@@ -145,6 +145,12 @@ class OwnerTable:
             )
         entry.forks.add(fork_id)
 
+    def holder(self, rref_id: RRefId) -> Any:
+        """The holder of a value a user names by id in a call (a placeholder if
+        its CREATE has not run yet). The calling user keeps its fork for the
+        whole call, so the entry exists or is still to be created."""
+        return self._entry_or_placeholder(rref_id, "call by id").holder
+
     def create(self, rref_id: RRefId, fork_id: ForkId) -> Any:
         """CREATE from the worker that called remote(): count its fork; return the holder."""
         entry = self.entries.get(rref_id)

@@ -225,6 +225,38 @@ def test_owner_rref_methods_act_on_the_local_value(cluster, no_rrefs_left_behind
     }
 
 
+def _proxy_calls_without_protocol_messages():
+    rref = rrpc.remote("worker1", Box, args=(0,))
+    rref.to_here()
+    _settle_messages()
+    served_before = rrpc.stats()["worker1"]["calls_served"]
+    for _ in range(5):
+        rref.rpc_sync().add(1)
+    futures = [rref.rpc_async().add(1) for _ in range(5)]
+    for future in futures:
+        future.wait()
+    del futures
+    _settle_messages()
+    value = rref.to_here().value
+    served = rrpc.stats()["worker1"]["calls_served"] - served_before
+    # Dropped at once after rpc_async: the pending call still holds the RRef,
+    # so its DELETE cannot reach the owner before the call has run.
+    dropped = rrpc.remote("worker1", Box, args=(7,))
+    future = dropped.rpc_async().add(1)
+    del dropped
+    gc.collect()
+    return value, served, future.wait()
+
+
+def test_proxy_calls_on_a_user_rref_cost_no_protocol_messages(cluster, no_rrefs_left_behind):
+    # The RRef goes by id, not as a fork the owner would confirm with an
+    # ACCEPT sent back to this worker on every call.
+    total, messages_from_owner, after_drop = cluster.run(_proxy_calls_without_protocol_messages)
+    assert total == 10
+    assert messages_from_owner == 0
+    assert after_drop == 8
+
+
 def _user_rref_methods():
     rref = rrpc.remote("worker1", Box, args=(5,))
     copy = rref.to_here()
