@@ -48,7 +48,7 @@ from rrpc.messages import (
     WorkerInfo,
     thread_state,
 )
-from rrpc.options import RpcBackendOptions
+from rrpc.options import UNSET_RPC_TIMEOUT, RpcBackendOptions
 
 log = logging.getLogger("rrpc")
 
@@ -401,6 +401,14 @@ class Agent:
             except RpcError:
                 return False  # alive but slow or busy: keep waiting for it
         return True
+
+    def resolve_timeout(self, timeout: float) -> float:
+        """A call's timeout in seconds: -1 is the options' ``rpc_timeout``, 0 none."""
+        if timeout == UNSET_RPC_TIMEOUT:
+            return self.options.rpc_timeout
+        if timeout < 0:
+            raise ValueError(f"timeout must be >= 0 (0: none) or -1 (default), got {timeout}")
+        return timeout
 
     def peer_stats(self, peer: WorkerInfo) -> PeerStats:
         stats = self.stats.get(peer.name)

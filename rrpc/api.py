@@ -16,7 +16,7 @@ import torch
 
 from rrpc import agent as agent_module
 from rrpc.agent import Agent, Deferred, current_agent
-from rrpc.functions import is_async_execution
+from rrpc.functions import async_result_error, callable_name, is_async_execution
 from rrpc.messages import CALL, RpcError, WorkerInfo
 from rrpc.options import UNSET_RPC_TIMEOUT, RpcBackendOptions
 from rrpc.rendezvous import Rendezvous, advertise_host, resolve_world
@@ -149,25 +149,11 @@ def _run_call(payload: tuple, caller: WorkerInfo) -> Any:
     func, args, kwargs = payload
     if is_async_execution(func):
         future = func(*args, **kwargs)
-        if not isinstance(future, torch._C.Future):  # .then() returns torch._C.Future
-            raise TypeError(
-                f"{_name(func)} is marked async_execution but returned "
-                f"{type(future).__name__}, not a torch.futures.Future"
-            )
+        error = async_result_error(func, future)
+        if error is not None:
+            raise error
         return Deferred(future)
     return func(*args, **kwargs)
-
-
-def _name(func: Any) -> str:
-    return getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
-
-
-def resolve_timeout(agent: Agent, timeout: float) -> float:
-    if timeout == UNSET_RPC_TIMEOUT:
-        return agent.options.rpc_timeout
-    if timeout < 0:
-        raise ValueError(f"timeout must be >= 0 (0: none) or -1 (default), got {timeout}")
-    return timeout
 
 
 def rpc_async(
@@ -223,9 +209,9 @@ def _send_call(to, func, args, kwargs, timeout: float, sync: bool):
     if not callable(func):
         raise TypeError(f"func must be callable, not {type(func).__name__}")
     peer = agent.worker_info(to)
-    what = f"call of {_name(func)}"
+    what = f"call of {callable_name(func)}"
     payload = (func, args or (), kwargs or {})
-    return agent.send(peer, CALL, payload, resolve_timeout(agent, timeout), what, sync)
+    return agent.send(peer, CALL, payload, agent.resolve_timeout(timeout), what, sync)
 
 
 def get_worker_info(worker_name: str | None = None) -> WorkerInfo:

@@ -6,6 +6,8 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import torch
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 # The attribute torch.distributed.rpc.functions.async_execution sets: functions
@@ -40,3 +42,19 @@ def async_execution(fn: F) -> F:
 
 def is_async_execution(fn: Any) -> bool:
     return getattr(fn, ASYNC_ATTRIBUTE, None) is not None
+
+
+def callable_name(func: Any) -> str:
+    """How messages name a function: its qualified name when it has one."""
+    return getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+
+
+def async_result_error(func: Any, result: Any) -> TypeError | None:
+    """The error for an ``async_execution`` function that did not return a
+    Future (``.then()`` returns a plain ``torch._C.Future``, which counts)."""
+    if isinstance(result, torch._C.Future):
+        return None
+    return TypeError(
+        f"{callable_name(func)} is marked async_execution but returned "
+        f"{type(result).__name__}, not a torch.futures.Future"
+    )

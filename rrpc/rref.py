@@ -58,7 +58,12 @@ from rrpc import agent as agent_module
 from rrpc import autograd as dist_autograd
 from rrpc import codec
 from rrpc.agent import Agent, Deferred, SyncReply, current_agent
-from rrpc.functions import async_execution, is_async_execution
+from rrpc.functions import (
+    async_execution,
+    async_result_error,
+    callable_name,
+    is_async_execution,
+)
 from rrpc.messages import (
     CALL,
     RREF_ACCEPT,
@@ -327,16 +332,6 @@ agent_module.on_stop.append(_on_stop)
 
 
 # -- Helpers ---------------------------------------------------------------------
-def _resolve_timeout(agent: Agent, timeout: float) -> float:
-    if timeout == UNSET_RPC_TIMEOUT:
-        return agent.options.rpc_timeout
-    if timeout < 0:
-        raise ValueError(f"timeout must be >= 0 (0: none) or -1 (default), got {timeout}")
-    return timeout
-
-
-def _name(func: Any) -> str:
-    return getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
 
 
 class _Failed:
@@ -432,11 +427,8 @@ def _evaluate_into(
     if not is_async_execution(func):
         future.set_result(result)
         return None
-    if not isinstance(result, torch.futures.Future):
-        error = TypeError(
-            f"{_name(func)} is marked async_execution but returned "
-            f"{type(result).__name__}, not a torch.futures.Future"
-        )
+    error = async_result_error(func, result)
+    if error is not None:
         future.set_result(_Failed(error))
         return None
     set_: torch.futures.Future = torch.futures.Future()
@@ -616,7 +608,7 @@ class RRef(Generic[T]):
         ``timeout`` in seconds; -1: the default ``rpc_timeout``, 0: none.
         """
         ctx = self._live_context()
-        timeout = _resolve_timeout(ctx.agent, timeout)
+        timeout = ctx.agent.resolve_timeout(timeout)
         if self._fork is None:
             assert self._future is not None
             return _wait(self._future, timeout, f"to_here() of {self!r}")
@@ -799,8 +791,8 @@ def _call_on_owner(
     """Run ``func(*args)`` on the owner: a Future of its result, or with
     ``sync`` a ``SyncReply`` to read with ``_sync_result`` at once."""
     agent = rref._live_context().agent
-    what = f"{method or _name(func)}() on the value of {rref!r}"
-    timeout = _resolve_timeout(agent, timeout)
+    what = f"{method or callable_name(func)}() on the value of {rref!r}"
+    timeout = agent.resolve_timeout(timeout)
     return agent.send(rref._owner, CALL, (func, args, {}), timeout, what, sync)
 
 
@@ -875,9 +867,9 @@ def remote(
     if not callable(func):
         raise TypeError(f"func must be callable, not {type(func).__name__}")
     peer = agent.worker_info(to)
-    timeout = _resolve_timeout(agent, timeout)
+    timeout = agent.resolve_timeout(timeout)
     payload_args, payload_kwargs = tuple(args or ()), dict(kwargs or {})
-    what = f"remote() of {_name(func)}"
+    what = f"remote() of {callable_name(func)}"
     if peer.id == ctx.rank:
         # Run it through the agent like any call (arguments are copied, the
         # function runs on the worker pool); the result goes into the owner RRef.

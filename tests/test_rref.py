@@ -134,6 +134,11 @@ class Box:
         threading.Timer(0.05, lambda: future.set_result(x * 10)).start()
         return future
 
+    @staticmethod
+    @rrpc.functions.async_execution
+    def later_then(x):
+        return Box.later(x).then(lambda done: done.wait() + 1)  # a plain torch._C.Future
+
 
 def _seeded_linear():
     torch.manual_seed(7)
@@ -278,6 +283,7 @@ def _user_rref_methods():
         "where": rref.rpc_sync().where(),
         "async_execution method": rref.rpc_sync().later(4),
         "async_execution method async": rref.rpc_async().later(5).wait(),
+        "async_execution .then() via remote": rref.remote().later_then(6).to_here(),
         "repr": repr(rref).split("rref_id=")[0],
         "type": rref._get_type(),
     }
@@ -302,6 +308,7 @@ def test_user_rref_methods_run_on_the_owner(cluster, no_rrefs_left_behind):
         "where": "worker1",
         "async_execution method": 40,
         "async_execution method async": 50,
+        "async_execution .then() via remote": 61,
         "repr": "UserRRef(",
         "type": Box,
     }
