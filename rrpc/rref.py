@@ -640,7 +640,7 @@ class RRef(Generic[T]):
         if self.is_owner():
             _backward_on_owner(self, dist_autograd_ctx_id, retain_graph)
             return
-        args = (self, dist_autograd_ctx_id, retain_graph)
+        args = (dist_autograd_ctx_id, retain_graph)
         _sync_result(_call_on_owner(self, _backward_on_owner, args, UNSET_RPC_TIMEOUT, sync=True))
 
     def _get_future(self) -> torch.futures.Future:
@@ -659,7 +659,7 @@ class RRef(Generic[T]):
             if self._fork is None:
                 self._type = type(self.local_value())
             else:
-                reply = _call_on_owner(self, _type_of, (self,), timeout, sync=True)
+                reply = _call_on_owner(self, _type_of, (), timeout, sync=True)
                 self._type = _sync_result(reply)
         if blocking:
             return self._type
@@ -764,43 +764,56 @@ class _Proxy:
 
 def _invoke(rref: RRef, mode: str, method: str, timeout: float, *args: Any, **kwargs: Any) -> Any:
     rref._check_created()
-    func: Callable = _invoke_on_owner
-    call_args: tuple = (rref, method, args, kwargs)
-    if mode != "remote" and rref._fork is not None:
-        # A user RRef goes by id: pickled, it would be a fork that the owner
-        # confirms with an ACCEPT exchange on every call. The caller holds
-        # the RRef until the reply (rpc_sync blocks, rpc_async's future keeps
-        # it), so the owner cannot free the value meanwhile.
-        func, call_args = _invoke_on_owner_by_id, (rref._id, method, args, kwargs)
-    if mode == "remote":
-        return remote(rref._owner, func, call_args, timeout=timeout)
-    if mode == "rpc_sync":
-        return _sync_result(_call_on_owner(rref, func, call_args, timeout, method, True))
-    future = _call_on_owner(rref, func, call_args, timeout, method)
-    future.add_done_callback(functools.partial(_hold_until_done, rref))
-    return future
+    if mode == "remote":  # the RRef travels: remote() answers before the call has run
+        call_args = (rref, method, args, kwargs)
+        return remote(rref._owner, _invoke_on_owner, call_args, timeout=timeout)
+    sync = mode == "rpc_sync"
+    call = _call_on_owner(rref, _invoke_on_owner, (method, args, kwargs), timeout, method, sync)
+    return _sync_result(call) if sync else call
+
+
+def _call_on_owner(
+    rref: RRef, func: Callable, args: tuple, timeout: float, method: str = "", sync: bool = False
+) -> Any:
+    """Run ``func(target, *args)`` on the owner, ``target`` naming ``rref``
+    there (``_owner_rref``): a Future of its result, or with ``sync`` a
+    ``SyncReply`` to read with ``_sync_result`` at once.
+
+    A user RRef goes by id: pickled, it would be a fork that the owner
+    confirms with an ACCEPT exchange on every call. The caller holds the RRef
+    until the reply (a blocking caller has it; a Future keeps it in a
+    done-callback), so the owner cannot free the value meanwhile."""
+    agent = rref._live_context().agent
+    what = f"{method or callable_name(func)}() on the value of {rref!r}"
+    target = rref if rref._fork is None else rref._id
+    payload: tuple = (func, (target, *args), {})
+    reply = agent.send(rref._owner, CALL, payload, agent.resolve_timeout(timeout), what, sync)
+    if not sync:
+        reply.add_done_callback(functools.partial(_hold_until_done, rref))
+    return reply
 
 
 def _hold_until_done(rref: RRef, future: torch.futures.Future) -> None:
     """A done-callback whose only job is to keep ``rref`` alive until then."""
 
 
-def _call_on_owner(
-    rref: RRef, func: Callable, args: tuple, timeout: float, method: str = "", sync: bool = False
-) -> Any:
-    """Run ``func(*args)`` on the owner: a Future of its result, or with
-    ``sync`` a ``SyncReply`` to read with ``_sync_result`` at once."""
-    agent = rref._live_context().agent
-    what = f"{method or callable_name(func)}() on the value of {rref!r}"
-    timeout = agent.resolve_timeout(timeout)
-    return agent.send(rref._owner, CALL, (func, args, {}), timeout, what, sync)
+def _owner_rref(target: RRef | RRefId) -> RRef:
+    """On the owner: the RRef a call names, itself or by id (a placeholder
+    while its CREATE has not run yet)."""
+    if isinstance(target, RRef):
+        return target
+    ctx = _context()
+    with ctx.lock:
+        return ctx.owners.holder(target)
 
 
 @async_execution
-def _invoke_on_owner(rref: RRef, method: str, args: tuple, kwargs: dict) -> torch.futures.Future:
+def _invoke_on_owner(
+    target: RRef | RRefId, method: str, args: tuple, kwargs: dict
+) -> torch.futures.Future:
     """On the owner: ``getattr(value, method)(*args, **kwargs)``, as a Future so
     that an ``async_execution`` method's reply waits for its own Future."""
-    bound = getattr(rref.local_value(), method)
+    bound = getattr(_owner_rref(target).local_value(), method)
     if is_async_execution(bound):
         return bound(*args, **kwargs)
     # An error is raised here, not set on the Future: see the rules.
@@ -809,8 +822,8 @@ def _invoke_on_owner(rref: RRef, method: str, args: tuple, kwargs: dict) -> torc
     return result
 
 
-def _backward_on_owner(rref: RRef, context_id: int, retain_graph: bool) -> None:
-    value = rref.local_value()
+def _backward_on_owner(target: RRef | RRefId, context_id: int, retain_graph: bool) -> None:
+    value = _owner_rref(target).local_value()
     if not isinstance(value, torch.Tensor):
         raise RuntimeError("RRef should contain a tensor for .backward()")
     if context_id == -1:
@@ -819,19 +832,8 @@ def _backward_on_owner(rref: RRef, context_id: int, retain_graph: bool) -> None:
         dist_autograd.backward(context_id, [value], retain_graph=retain_graph)
 
 
-@async_execution
-def _invoke_on_owner_by_id(
-    rref_id: RRefId, method: str, args: tuple, kwargs: dict
-) -> torch.futures.Future:
-    """``_invoke_on_owner`` for a value named by id (see ``_invoke``)."""
-    ctx = _context()
-    with ctx.lock:
-        holder = ctx.owners.holder(rref_id)
-    return _invoke_on_owner(holder, method, args, kwargs)
-
-
-def _type_of(rref: RRef) -> type:
-    return type(rref.local_value())
+def _type_of(target: RRef | RRefId) -> type:
+    return type(_owner_rref(target).local_value())
 
 
 def remote(
