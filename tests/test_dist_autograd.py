@@ -30,6 +30,12 @@ def assert_close(actual, expected, atol=ATOL):
     torch.testing.assert_close(actual, expected, atol=atol, rtol=0)
 
 
+def assert_each_close(actual, expected, atol=ATOL):
+    """Pairwise ``assert_close`` of two equally long lists."""
+    for a, e in zip(actual, expected, strict=True):
+        assert_close(a, e, atol)
+
+
 # -- A cluster kept up for the session (see harness.Cluster) --------------------
 _shared: list[Cluster] = []
 
@@ -116,8 +122,7 @@ def _one_hop():
 
 def test_one_hop_gradients_equal_local_ones(cluster, no_state_left_behind):
     distributed, local = cluster.run(_one_hop)
-    for d, g in zip(distributed, local, strict=True):
-        assert_close(d, g)
+    assert_each_close(distributed, local)
 
 
 def _chain_over_three_workers():
@@ -141,8 +146,7 @@ def _chain_over_three_workers():
 
 def test_chain_over_three_workers_gradients_equal_local_ones(cluster, no_state_left_behind):
     distributed, local = cluster.run(_chain_over_three_workers)
-    for d, g in zip(distributed, local, strict=True):
-        assert_close(d, g)
+    assert_each_close(distributed, local)
 
 
 def _fan_out_fan_in():
@@ -168,8 +172,7 @@ def test_tensor_sent_to_two_workers_and_summed_gradients_equal_local_ones(
     cluster, no_state_left_behind
 ):
     distributed, local = cluster.run(_fan_out_fan_in)
-    for d, g in zip(distributed, local, strict=True):
-        assert_close(d, g)
+    assert_each_close(distributed, local)
 
 
 def _parameter_used_twice_on_one_worker():
@@ -194,8 +197,7 @@ def test_parameter_used_twice_on_one_worker_gets_the_sum_of_both_uses(
     cluster, no_state_left_behind
 ):
     distributed, local = cluster.run(_parameter_used_twice_on_one_worker)
-    for d, g in zip(distributed, local, strict=True):
-        assert_close(d, g)
+    assert_each_close(distributed, local)
 
 
 def _retain_graph_twice():
@@ -216,14 +218,15 @@ def _retain_graph_twice():
 
 def test_two_backward_passes_with_retain_graph_accumulate(cluster, no_state_left_behind):
     distributed, twice_local = cluster.run(_retain_graph_twice)
-    for d, g in zip(distributed, twice_local, strict=True):
-        assert_close(d, g)
+    assert_each_close(distributed, twice_local)
 
 
 class _Net(torch.nn.Module):
-    def __init__(self, seed):
+    """tanh(Linear(size, size)) with seeded weights: the same net on every worker."""
+
+    def __init__(self, seed, size=4):
         super().__init__()
-        self.linear = torch.nn.Linear(4, 4)
+        self.linear = torch.nn.Linear(size, size)
         generator = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for param in self.parameters():
@@ -259,8 +262,7 @@ def _rref_proxies():
 def test_rref_proxies_gradients_equal_local_ones(cluster, no_state_left_behind):
     distributed, local = cluster.run(_rref_proxies)
     assert len(distributed) == 3
-    for d, g in zip(distributed, local, strict=True):
-        assert_close(d, g)
+    assert_each_close(distributed, local)
 
 
 def _stage_sum(x, name):

@@ -21,8 +21,8 @@ from rrpc.optim import DistributedOptimizer
 ATOL = 1e-5
 
 
-def assert_close(actual, expected, atol=ATOL):
-    torch.testing.assert_close(actual, expected, atol=atol, rtol=0)
+def assert_each_close(actual, expected):
+    dist.assert_each_close(actual, expected, ATOL)
 
 
 @pytest.fixture
@@ -38,9 +38,7 @@ def no_state_left_behind(cluster):
 
 
 # -- Helpers that run on the workers -------------------------------------------
-def _param(shape, seed):
-    generator = torch.Generator().manual_seed(seed)
-    return (torch.rand(shape, generator=generator) - 0.5).requires_grad_()
+_param = dist._param
 
 
 def _tanh_layer(weight_rref, x):
@@ -49,19 +47,6 @@ def _tanh_layer(weight_rref, x):
 
 def _linear(weight_rref, x):
     return x @ weight_rref.local_value()
-
-
-class _Net(torch.nn.Module):
-    def __init__(self, seed, size=8):
-        super().__init__()
-        self.linear = torch.nn.Linear(size, size)
-        generator = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for param in self.parameters():
-                param.copy_(torch.rand(param.shape, generator=generator) - 0.5)
-
-    def forward(self, x):
-        return torch.tanh(self.linear(x))
 
 
 def _parameter_rrefs(module_rref):
@@ -107,8 +92,7 @@ def test_twenty_steps_equal_local_training(cluster, no_state_left_behind, optimi
         _train_two_remote_layers, optimizer_class, kwargs, 20
     )
     assert not torch.allclose(distributed[0], initial_w1), "the optimizer did not change w1"
-    for d, w in zip(distributed, local, strict=True):
-        assert_close(d, w)
+    assert_each_close(distributed, local)
 
 
 # -- Concurrent trainers -------------------------------------------------------
@@ -163,8 +147,7 @@ def test_concurrent_trainers_stepping_the_same_parameters_apply_every_update(
     cluster, no_state_left_behind
 ):
     distributed, expected = cluster.run(_concurrent_trainers)
-    for d, e in zip(distributed, expected, strict=True):
-        assert_close(d, e)
+    assert_each_close(distributed, expected)
 
 
 # -- Errors and edge cases -----------------------------------------------------
@@ -227,8 +210,7 @@ def _parameter_without_gradient():
 
 def test_parameters_without_gradients_in_the_context_stay_unchanged(cluster, no_state_left_behind):
     distributed, expected = cluster.run(_parameter_without_gradient)
-    for d, e in zip(distributed, expected, strict=True):
-        assert_close(d, e)
+    assert_each_close(distributed, expected)
 
 
 def _grad_attribute_untouched():
@@ -291,8 +273,8 @@ def _everywhere(fn):
 
 
 def _training_loop(iterations, warmup=50):
-    net1 = rrpc.remote("worker1", _Net, args=(71,))
-    net2 = rrpc.remote("worker2", _Net, args=(72,))
+    net1 = rrpc.remote("worker1", dist._Net, args=(71, 8))
+    net2 = rrpc.remote("worker2", dist._Net, args=(72, 8))
     params = rrpc.rpc_sync("worker1", _parameter_rrefs, args=(net1,))
     params += rrpc.rpc_sync("worker2", _parameter_rrefs, args=(net2,))
     optimizer = DistributedOptimizer(torch.optim.SGD, params, lr=0.001)
