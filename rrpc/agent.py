@@ -563,6 +563,7 @@ class Agent:
                 f"rank{peer_rank}", peer_rank
             )
         # Inline: on the stream's reader thread, which handed reading to its partner.
+        inline = inline and self.options.run_inline
         if not (inline and self._pool.run_inline(self._serve, frame, peer, respond)):
             self._pool.submit(self._serve, frame, peer, respond)
 

@@ -43,6 +43,8 @@ class RpcBackendOptions:
             into one gRPC message, when at least ``batch_min_open`` calls are open
             on the stream (env ``RRPC_BATCH_DELAY``; 0 turns lingering off).
         batch_min_open: the open calls on one stream from which it lingers.
+        run_inline: let the thread that read a lone request run it instead of
+            handing it to a pool thread (env ``RRPC_INLINE``).
         tls_cert_file / tls_key_file / tls_ca_file: PEM files; when all are set,
             every stream is TLS with client certificates checked against the CA.
         devices / device_maps: accepted for compatibility; rrpc moves tensors
@@ -63,6 +65,7 @@ class RpcBackendOptions:
     shm_threshold: int = 1 << 20
     batch_delay: float = field(default_factory=lambda: _env_float("RRPC_BATCH_DELAY", 300e-6))
     batch_min_open: int = 16
+    run_inline: bool = field(default_factory=lambda: _env_flag("RRPC_INLINE", True))
     tls_cert_file: str | None = field(default_factory=lambda: os.environ.get("RRPC_TLS_CERT"))
     tls_key_file: str | None = field(default_factory=lambda: os.environ.get("RRPC_TLS_KEY"))
     tls_ca_file: str | None = field(default_factory=lambda: os.environ.get("RRPC_TLS_CA"))

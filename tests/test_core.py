@@ -306,16 +306,6 @@ def _slow_call_does_not_stall_others():
     return quick, still_blocked, released, blocked.wait()
 
 
-def _thread_name():
-    return threading.current_thread().name
-
-
-def test_a_lone_call_runs_on_the_thread_that_read_it(cluster):
-    # One call at a time: the stream's reader runs it (no hop to a pool thread).
-    names = cluster.run(lambda: {rrpc.rpc_sync("worker1", _thread_name) for _ in range(20)})
-    assert any(name.startswith("rrpc-serve-") for name in names), names
-
-
 def test_a_blocked_function_does_not_stall_other_calls_to_the_same_worker(cluster):
     assert cluster.run(_slow_call_does_not_stall_others) == ("worker1", True, "released", True)
 

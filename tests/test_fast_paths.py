@@ -6,6 +6,8 @@ run: every dtype, views, tensors above and below the shared-memory threshold,
 a tensor larger than the chunk size, and the received tensors' independence.
 """
 
+import threading
+
 import pytest
 import torch
 
@@ -74,7 +76,7 @@ def _round_trips(rank, world_size):
 
 @pytest.mark.parametrize("fast_paths", ["1", "0"], ids=["fast_paths_on", "fast_paths_off"])
 def test_transfers_are_exact_with_every_fast_path_on_and_off(fast_paths):
-    env = {"RRPC_SHM": fast_paths, "RRPC_MALLOC_TUNING": fast_paths}
+    env = {"RRPC_SHM": fast_paths, "RRPC_MALLOC_TUNING": fast_paths, "RRPC_INLINE": fast_paths}
     [(mismatches, independent, bytes_in_stream), _] = run_workers(
         _round_trips, 2, env=env, timeout=100
     )
@@ -103,3 +105,21 @@ def test_hundreds_of_calls_in_flight_each_get_their_own_reply(delay):
     # linger and pack many frames per gRPC message.
     [all_matched, _] = run_workers(_many_in_flight, 2, env={"RRPC_BATCH_DELAY": delay}, timeout=60)
     assert all_matched
+
+
+def _thread_names(rank, world_size):
+    if rank != 0:
+        return None
+    return {rrpc.rpc_sync("worker1", _thread_name) for _ in range(20)}
+
+
+def _thread_name():
+    return threading.current_thread().name
+
+
+@pytest.mark.parametrize("inline", ["1", "0"], ids=["inline_on", "inline_off"])
+def test_a_lone_call_runs_on_the_thread_that_read_it_unless_switched_off(inline):
+    # One call at a time: the stream's reader runs it, with no hop to a pool thread.
+    [names, _] = run_workers(_thread_names, 2, env={"RRPC_INLINE": inline}, timeout=60)
+    on_reader = {name for name in names if name.startswith("rrpc-serve-")}
+    assert bool(on_reader) == (inline == "1"), names
