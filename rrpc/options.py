@@ -43,6 +43,9 @@ class RpcBackendOptions:
             into one gRPC message, when at least ``batch_min_open`` calls are open
             on the stream (env ``RRPC_BATCH_DELAY``; 0 turns lingering off).
         batch_min_open: the open calls on one stream from which it lingers.
+        rref_delete_delay: seconds a worker gathers the deletes of dropped user
+            RRefs before it sends them to their owner, as one message per owner
+            (env ``RRPC_DELETE_DELAY``; 0: each drop goes at once).
         run_inline: let the thread that read a lone request run it instead of
             handing it to a pool thread (env ``RRPC_INLINE``).
         tls_cert_file / tls_key_file / tls_ca_file: PEM files; when all are set,
@@ -66,6 +69,9 @@ class RpcBackendOptions:
     batch_delay: float = field(default_factory=lambda: _env_float("RRPC_BATCH_DELAY", 300e-6))
     batch_min_open: int = 16
     run_inline: bool = field(default_factory=lambda: _env_flag("RRPC_INLINE", True))
+    rref_delete_delay: float = field(
+        default_factory=lambda: _env_float("RRPC_DELETE_DELAY", 5e-3)
+    )
     tls_cert_file: str | None = field(default_factory=lambda: os.environ.get("RRPC_TLS_CERT"))
     tls_key_file: str | None = field(default_factory=lambda: os.environ.get("RRPC_TLS_KEY"))
     tls_ca_file: str | None = field(default_factory=lambda: os.environ.get("RRPC_TLS_CA"))
@@ -79,6 +85,10 @@ class RpcBackendOptions:
             raise ValueError(f"rpc_timeout must be >= 0 (0: none), got {self.rpc_timeout}")
         if not 0 <= self.batch_delay <= 0.1:
             raise ValueError(f"batch_delay must be in [0, 0.1] seconds, got {self.batch_delay}")
+        if not 0 <= self.rref_delete_delay <= 1.0:
+            raise ValueError(
+                f"rref_delete_delay must be in [0, 1] seconds, got {self.rref_delete_delay}"
+            )
         if self.chunk_size < 4096:
             raise ValueError(f"chunk_size must be >= 4096 bytes, got {self.chunk_size}")
 

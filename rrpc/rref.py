@@ -16,6 +16,11 @@ Rules:
   One sender thread per session turns those drops into protocol events and
   sends every protocol message (FORK, ACCEPT, DELETE); replies come back on the
   agent's threads and feed the tables again.
+- DELETEs wait up to ``rref_delete_delay`` on the sender thread and go as one
+  message per owner, naming every fork let go meanwhile: a loop that drops an
+  RRef per iteration then costs the owner one message per few iterations, not
+  one each. Nothing else waits (a delete frees, it never unblocks a caller),
+  and a drain sends what is held at once.
 - Protocol messages have no timeout: the protocol is only correct if each is
   answered. A dead peer fails them at once (the agent notices), and a graceful
   shutdown waits for them (``_Context.drain``).
@@ -95,6 +100,7 @@ log = logging.getLogger("rrpc")
 T = TypeVar("T")
 
 _DROP, _SEND, _FLUSH = "drop", "send", "flush"
+_MAX_HELD_DELETES = 256  # held DELETEs for one owner go at once when there are this many
 
 
 class _Context:
@@ -111,6 +117,11 @@ class _Context:
         # unconfirmed fork in the user table instead).
         self.in_flight = {RREF_ACCEPT: 0, RREF_DELETE: 0, RREF_CREATE_FAILED: 0}
         self._ids = itertools.count(1)
+        # DELETEs held back (see the rules): owner rank -> forks, and when the
+        # oldest of them was dropped. Only the sender thread touches these.
+        self.delete_delay = agent.options.rref_delete_delay
+        self._held_deletes: dict[int, list[tuple[RRefId, ForkId]]] = {}
+        self._held_since = 0.0
         self.events: queue.SimpleQueue = queue.SimpleQueue()
         self.running = True
         self._sender = threading.Thread(
@@ -130,7 +141,18 @@ class _Context:
             self.events.put((_SEND, sends))
 
     def _run_sender(self) -> None:
-        while (event := self.events.get()) is not None:
+        while True:
+            if self._held_deletes:
+                linger = self._held_since + self.delete_delay - time.monotonic()
+                try:
+                    event = self.events.get(timeout=max(0.0, linger))
+                except queue.Empty:
+                    self._send_deletes()
+                    continue
+            else:
+                event = self.events.get()
+            if event is None:
+                return
             what, item = event
             try:
                 if what == _DROP:
@@ -139,24 +161,44 @@ class _Context:
                     self._send_all(sends)
                 elif what == _SEND:
                     self._send_all(item)
-                else:  # _FLUSH: everything queued before it is done
+                else:  # _FLUSH: everything queued before it is sent
+                    self._send_deletes()
                     item.set()
+                if self._held_deletes and not self.delete_delay:
+                    self._send_deletes()
             except Exception:
                 log.exception("rrpc: RRef protocol event %s %s failed", what, item)
+
+    def _send_deletes(self) -> None:
+        held, self._held_deletes = self._held_deletes, {}
+        for owner, forks in held.items():
+            self._send(Send(RREF_DELETE, owner, tuple(forks)))
 
     def _send_all(self, sends: list[Send]) -> None:
         for send in sends:
             if send.kind in self.in_flight:
                 with self.lock:
                     self.in_flight[send.kind] += 1
-            try:
-                peer = self.agent.worker_info(send.to)
-                what = f"RRef message {kind_name(send.kind)}"
-                future = self.agent.send(peer, send.kind, send.payload, 0, what)
-            except BaseException as exc:
-                self._answered(send, exc)
+            if send.kind != RREF_DELETE:
+                self._send(send)
                 continue
-            future.add_done_callback(functools.partial(self._on_reply, send))
+            if not self._held_deletes:
+                self._held_since = time.monotonic()
+            forks = self._held_deletes.setdefault(send.to, [])
+            forks.append(send.payload)
+            if len(forks) >= _MAX_HELD_DELETES:
+                self._send(Send(RREF_DELETE, send.to, tuple(self._held_deletes.pop(send.to))))
+
+    def _send(self, send: Send) -> None:
+        """Send one protocol message; its answer (or failure) goes to ``_answered``."""
+        try:
+            peer = self.agent.worker_info(send.to)
+            what = f"RRef message {kind_name(send.kind)}"
+            future = self.agent.send(peer, send.kind, send.payload, 0, what)
+        except BaseException as exc:
+            self._answered(send, exc)
+            return
+        future.add_done_callback(functools.partial(self._on_reply, send))
 
     def _on_reply(self, send: Send, future: torch.futures.Future) -> None:
         self._answered(send, _outcome(future)[1])
@@ -170,7 +212,8 @@ class _Context:
             self._confirmed(send.payload[1], error)
             return
         with self.lock:
-            self.in_flight[send.kind] -= 1
+            # A DELETE names several forks, each counted when it was queued.
+            self.in_flight[send.kind] -= len(send.payload) if send.kind == RREF_DELETE else 1
             self.changed.notify_all()
 
     def _confirmed(self, fork_id: ForkId, error: BaseException | None) -> list[Send]:
@@ -228,10 +271,11 @@ class _Context:
         self.post(sends)
 
     def serve_delete(self, payload: tuple, caller: WorkerInfo) -> None:
-        rref_id, fork_id = payload
+        released = []
         with self.lock:
-            released = self.owners.delete(rref_id, fork_id)
-        del released  # the value may be freed here, outside the lock
+            for rref_id, fork_id in payload:
+                released.append(self.owners.delete(rref_id, fork_id))
+        del released  # values may be freed here, outside the lock
 
     def serve_create_failed(self, payload: tuple, caller: WorkerInfo) -> None:
         (rref_id,) = payload
@@ -441,15 +485,6 @@ def _evaluate_into(
     return Deferred(set_)
 
 
-def _done(future: torch.futures.Future) -> torch.futures.Future:
-    """Wait for ``future`` without reading it (reading is _result's job)."""
-    if not future.done():
-        event = threading.Event()
-        future.add_done_callback(lambda _: event.set())
-        event.wait()
-    return future
-
-
 def _wait(future: torch.futures.Future, timeout: float, what: str) -> Any:
     """``_result(future)`` once done, within ``timeout`` (0: none) or RpcTimeoutError."""
     if not future.done():
@@ -550,19 +585,6 @@ class RRef(Generic[T]):
                 "owner within its timeout"
             )
 
-    def _wait_for_creation_or(self, fetch: torch.futures.Future) -> None:
-        """Wait for ``fetch``, but raise remote()'s timeout if the owner does not
-        confirm the RRef by then (the fetch alone would wait for the value)."""
-        assert self._creation is not None
-        either = threading.Event()
-        fetch.add_done_callback(lambda _: either.set())
-        self._creation.add_done_callback(lambda _: either.set())
-        if not either.wait(max(0.0, self._deadline - time.monotonic())):
-            self._check_created()
-            either.wait()
-        if self._creation.done():
-            self._check_created()
-
     # -- Identity ----------------------------------------------------------------
     def owner(self) -> WorkerInfo:
         """The ``WorkerInfo`` of the worker that holds the value."""
@@ -614,13 +636,14 @@ class RRef(Generic[T]):
             return _wait(self._future, timeout, f"to_here() of {self!r}")
         self._check_created()
         what = f"to_here() of {self!r}"
-        if self._deadline == math.inf or self._creation.done():  # type: ignore[union-attr]
-            return _sync_result(
-                ctx.agent.send(self._owner, RREF_FETCH, (self._id,), timeout, what, True)
-            )
-        fetch = ctx.agent.send(self._owner, RREF_FETCH, (self._id,), timeout, what)
-        self._wait_for_creation_or(fetch)
-        return _result(_done(fetch))
+        fetch = ctx.agent.send(self._owner, RREF_FETCH, (self._id,), timeout, what, True)
+        # The fetch alone would wait for the value: raise remote()'s timeout
+        # if the owner has not confirmed the RRef by remote()'s deadline.
+        if not fetch.wait_done(max(0.0, self._deadline - time.monotonic())):
+            self._check_created()
+        if self._creation is not None and self._creation.done():
+            self._check_created()
+        return _sync_result(fetch)
 
     def backward(self, dist_autograd_ctx_id: int = -1, retain_graph: bool = False) -> None:
         """Run the backward pass from this RRef's value, a scalar tensor, on its owner.

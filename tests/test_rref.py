@@ -23,6 +23,7 @@ import torch
 import rrpc
 from harness import WorkerGroup, mp_context, run_workers
 from rrpc import agent as agent_hooks
+from rrpc.messages import RREF_DELETE
 
 WORKERS = ("worker0", "worker1", "worker2")
 ZERO_DEBUG_INFO = {
@@ -590,6 +591,54 @@ def test_thousands_of_remote_and_drop_cycles_leave_nothing_behind(cluster, no_rr
     elapsed, counts, infos = cluster.run(_soak, 5000)
     assert counts == (5000, 5000)
     assert infos == [ZERO_DEBUG_INFO] * 3
+
+
+def _watch_deletes():
+    """On the owner: record how many forks each DELETE message names."""
+    agent = agent_hooks.current_agent()
+    serve = agent.handlers[RREF_DELETE]
+
+    def counting(payload, caller):
+        _deletes_seen.append(len(payload))
+        return serve(payload, caller)
+
+    agent.register(RREF_DELETE, counting)
+
+
+_deletes_seen: list = []
+
+
+def _deletes_so_far():
+    return list(_deletes_seen)
+
+
+def _wait_confirmed(rrefs):
+    wait_until(lambda: all(rref.confirmed_by_owner() for rref in rrefs), what="confirmations")
+
+
+def _drop_twenty(rank, world_size):
+    if rank != 0:
+        return None
+    rrpc.rpc_sync("worker1", _watch_deletes)
+    rrefs = [rrpc.remote("worker1", Counted, args=(i,)) for i in range(20)]
+    _wait_confirmed(rrefs)
+    del rrefs
+    wait_until(
+        lambda: rrpc.rpc_sync("worker1", rrpc.rref_debug_info)["num_owner_rrefs"] == 0,
+        what="all 20 values freed",
+    )
+    return rrpc.rpc_sync("worker1", _deletes_so_far)
+
+
+@pytest.mark.parametrize(
+    "delay, expected", [(0.5, [20]), (0.0, [1] * 20)], ids=["lingering", "off"]
+)
+def test_rrefs_dropped_together_reach_their_owner_as_one_delete_unless_switched_off(
+    delay, expected
+):
+    options = rrpc.RpcBackendOptions(rref_delete_delay=delay)
+    user, _ = run_workers(_drop_twenty, world_size=2, backend_options=options)
+    assert user == expected
 
 
 # -- Shutdown ------------------------------------------------------------------
