@@ -318,6 +318,8 @@ class Agent:
         self.shm_pool = shm.SenderPool() if options.shared_memory else None
         self._attachments = shm.Attachments()
         self._shm_peers: dict[int, shm.Placer] = {}  # rank -> our pool, bound to its pid
+        # Ranks that run our __main__ script: its functions go to them by name.
+        self._same_main: set[int] = set()
         self._pool = _WorkerPool(options.num_worker_threads, f"rrpc-{name}")
         self._deadlines = _Deadlines(self._pending, self._expire)
         self.server = transport.Server(
@@ -336,13 +338,15 @@ class Agent:
     def advertisement(self) -> dict[str, Any]:
         """What peers need to know of this worker besides its address."""
         probe = self.shm_pool.probe.name if self.shm_pool is not None else ""
-        return {"host": shm.host_key(), "probe": probe}
+        return {"host": shm.host_key(), "probe": probe, "main": codec.main_fingerprint()}
 
     # -- Peers -----------------------------------------------------------------
     def add_peer(self, info: WorkerInfo, address: str, advertised: dict[str, Any]) -> None:
         self._peers_by_name[info.name] = info
         self._peers_by_rank[info.id] = info
         self._addresses[info.id] = address
+        if advertised.get("main") and advertised["main"] == codec.main_fingerprint():
+            self._same_main.add(info.id)
         if (
             self.shm_pool is not None
             and advertised.get("probe")
@@ -435,6 +439,7 @@ class Agent:
             max_message_size=self.options.max_message_size,
             shared_memory=self._shm_peers.get(peer.id),
             shm_threshold=self.options.shm_threshold,
+            same_main=peer.id in self._same_main,
         )
         if out.grad_tensors and context_id and self.autograd_hooks is not None:
             key = (self.info.id, request_id, False)
@@ -624,6 +629,7 @@ class Agent:
                 max_message_size=self.options.max_message_size,
                 shared_memory=self._shm_peers.get(peer.id),
                 shm_threshold=self.options.shm_threshold,
+                same_main=peer.id in self._same_main,
             )
         except BaseException as exc:
             self._reply_error(exc, peer, request_id, respond)

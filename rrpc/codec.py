@@ -12,8 +12,12 @@ Rules:
   out-of-band ``PickleBuffer`` over the tensor's own memory, so its bytes are
   never copied through pickle; the transport writes those buffers next to the
   payload. A view of a larger storage sends only the bytes it views.
-- Code (lambdas, closures, functions of ``__main__``) is pickled by value with
-  cloudpickle; everything else goes through the C pickler, which is faster.
+- Code the receiver cannot import (lambdas, closures, functions of
+  ``__main__`` when the receiver runs another script) is pickled by value with
+  cloudpickle; everything else goes by reference through the C pickler, which
+  is faster. A function of ``__main__`` goes by reference to a worker that
+  runs the same script (``same_main``), as in torch: the callee runs its own
+  copy, with its own globals.
 - A received tensor is built over a buffer the reader allocated for it: one
   copy from the socket's packets, none after. A buffer sent through shared
   memory (``shm.py``) has size 0 in the stream and a descriptor in the
@@ -29,9 +33,11 @@ Rules:
 
 from __future__ import annotations
 
+import hashlib
 import io
 import pickle
 import struct
+import sys
 import threading
 import types
 from collections.abc import Callable, Iterator
@@ -92,6 +98,7 @@ class _CodecState(threading.local):
     tensor_hook: Callable[[torch.Tensor], torch.Tensor] | None = None
     grad_tensors: list[torch.Tensor] | None = None
     undo: list[Callable[[], None]] | None = None  # see on_discard
+    same_main: bool = False  # the peer runs this worker's __main__ script
 
 
 _state = _CodecState()
@@ -189,9 +196,37 @@ class _NeedsCloudpickle(Exception):
 
 
 def _pickled_by_value(obj: Any) -> bool:
-    return isinstance(obj, types.FunctionType) and (
-        obj.__module__ == "__main__" or "<locals>" in obj.__qualname__ or obj.__name__ == "<lambda>"
-    )
+    """Whether ``obj`` is code the receiver cannot import by name."""
+    if not isinstance(obj, types.FunctionType):
+        return False
+    if "<locals>" in obj.__qualname__ or obj.__name__ == "<lambda>":
+        return True
+    return obj.__module__ == "__main__" and not (_state.same_main and _in_main(obj))
+
+
+def _in_main(function: types.FunctionType) -> bool:
+    """Whether ``__main__`` has ``function`` under its name (not a redefined one)."""
+    found: Any = sys.modules["__main__"]
+    for part in function.__qualname__.split("."):
+        found = getattr(found, part, None)
+    return found is function
+
+
+_main_fingerprint: str | None = None
+
+
+def main_fingerprint() -> str:
+    """A digest of this process's ``__main__`` script ("" without one): two
+    workers with the same digest can name each other's ``__main__`` functions."""
+    global _main_fingerprint
+    if _main_fingerprint is None:
+        path = getattr(sys.modules["__main__"], "__file__", None)
+        try:
+            with open(path, "rb") as script:  # type: ignore[arg-type]
+                _main_fingerprint = hashlib.sha256(script.read()).hexdigest()
+        except (OSError, TypeError):
+            _main_fingerprint = ""
+    return _main_fingerprint
 
 
 class _FastPickler(pickle.Pickler):
@@ -242,9 +277,13 @@ def _dump_with(pickler: Any, out: io.BytesIO, buffers: list, obj: Any) -> tuple:
     return out.getvalue(), list(buffers), grad_tensors
 
 
-def dumps(obj: Any, peer: Any = None) -> tuple[bytes, list[pickle.PickleBuffer], list]:
-    """Pickle ``obj``: (payload, out-of-band buffers, tensors that require grad)."""
+def dumps(
+    obj: Any, peer: Any = None, same_main: bool = False
+) -> tuple[bytes, list[pickle.PickleBuffer], list]:
+    """Pickle ``obj`` for ``peer`` (``same_main``: it runs this worker's
+    ``__main__`` script): (payload, out-of-band buffers, tensors that require grad)."""
     previous_peer, _state.peer = _state.peer, peer
+    previous_main, _state.same_main = _state.same_main, same_main
     scratch = _scratch
     try:
         if not scratch.busy:
@@ -272,7 +311,7 @@ def dumps(obj: Any, peer: Any = None) -> tuple[bytes, list[pickle.PickleBuffer],
     except (pickle.PicklingError, TypeError, AttributeError, RecursionError) as exc:
         raise SerializationError(f"cannot pickle {_describe(obj)}: {exc}") from exc
     finally:
-        _state.peer = previous_peer
+        _state.peer, _state.same_main = previous_peer, previous_main
 
 
 def encode(
@@ -285,13 +324,15 @@ def encode(
     max_message_size: int = 0,
     shared_memory: Placer | None = None,
     shm_threshold: int = 1 << 20,
+    same_main: bool = False,
 ) -> Outgoing:
     """Encode one message into frame pieces. Raises SerializationError or
     MessageTooLargeError without side effects on the stream.
 
     With ``shared_memory``, buffers of ``shm_threshold`` bytes or more are
-    copied into its slots and only their descriptors travel in the frame."""
-    payload, buffers, grad_tensors = dumps(obj, peer)
+    copied into its slots and only their descriptors travel in the frame.
+    ``same_main``: the peer runs this worker's ``__main__`` script (see ``dumps``)."""
+    payload, buffers, grad_tensors = dumps(obj, peer, same_main)
     raw = [buffer.raw() for buffer in buffers]
     sizes = [len(view) for view in raw]
     tensor_bytes = sum(sizes)

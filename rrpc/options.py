@@ -69,9 +69,7 @@ class RpcBackendOptions:
     batch_delay: float = field(default_factory=lambda: _env_float("RRPC_BATCH_DELAY", 300e-6))
     batch_min_open: int = 16
     run_inline: bool = field(default_factory=lambda: _env_flag("RRPC_INLINE", True))
-    rref_delete_delay: float = field(
-        default_factory=lambda: _env_float("RRPC_DELETE_DELAY", 5e-3)
-    )
+    rref_delete_delay: float = field(default_factory=lambda: _env_float("RRPC_DELETE_DELAY", 5e-3))
     tls_cert_file: str | None = field(default_factory=lambda: os.environ.get("RRPC_TLS_CERT"))
     tls_key_file: str | None = field(default_factory=lambda: os.environ.get("RRPC_TLS_KEY"))
     tls_ca_file: str | None = field(default_factory=lambda: os.environ.get("RRPC_TLS_CA"))

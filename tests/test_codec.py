@@ -7,6 +7,7 @@ No processes and no sockets: bytes in, frames out. The multi-process tests
 import pickle
 import re
 import struct
+import sys
 import threading
 import warnings
 
@@ -214,6 +215,35 @@ def test_lambda_and_closure_are_sent_by_value():
     received, _ = round_trip((lambda x: x + offset, lambda: offset * 2))
     assert received[0](torch.tensor(1)).item() == 11
     assert received[1]() == 20
+
+
+def _function_of_main(monkeypatch, name="answer"):
+    """A function defined in ``__main__`` (and found there under its name)."""
+    namespace = {"__name__": "__main__"}
+    exec(f"def {name}():\n    return 42", namespace)
+    function = namespace[name]
+    monkeypatch.setattr(sys.modules["__main__"], name, function, raising=False)
+    return function
+
+
+def test_a_function_of_main_goes_by_name_to_a_worker_running_the_same_script(monkeypatch):
+    function = _function_of_main(monkeypatch)
+    payload, _, _ = codec.dumps(function, same_main=True)
+    assert pickle.loads(payload) is function  # the receiver's own: its own globals
+
+
+def test_a_function_of_main_goes_by_value_to_a_worker_running_another_script(monkeypatch):
+    function = _function_of_main(monkeypatch)
+    payload, _, _ = codec.dumps(function, same_main=False)
+    received = pickle.loads(payload)
+    assert received is not function and received() == 42
+
+
+def test_a_function_of_main_that_main_does_not_name_goes_by_value(monkeypatch):
+    function = _function_of_main(monkeypatch)
+    monkeypatch.setattr(sys.modules["__main__"], "answer", None)  # redefined since
+    received = pickle.loads(codec.dumps(function, same_main=True)[0])
+    assert received is not function and received() == 42
 
 
 # -- packets and the frame reader ----------------------------------------------

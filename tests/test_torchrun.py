@@ -40,10 +40,11 @@ def _ring_lines(output: str) -> list[str]:
     return sorted(line for line in output.splitlines() if line.startswith("RING "))
 
 
+# calls: the callee's own counter, in its own copy of the script's globals.
 EXPECTED = [
-    "RING rank=0 world=3 next=worker1 sum=0 self=100",
-    "RING rank=1 world=3 next=worker2 sum=45 self=101",
-    "RING rank=2 world=3 next=worker0 sum=90 self=102",
+    "RING rank=0 world=3 next=worker1 sum=0 self=100 calls=[1, 2]",
+    "RING rank=1 world=3 next=worker2 sum=45 self=101 calls=[1, 2]",
+    "RING rank=2 world=3 next=worker0 sum=90 self=102 calls=[1, 2]",
 ]
 
 

@@ -6,14 +6,28 @@ Nothing here names a rank, a world size or an address: init_rpc takes them
 from the environment torchrun sets (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
 Each worker prints one line:
 
-    RING rank=<r> world=<n> next=<name> sum=<value> caller=<name>
+    RING rank=<r> world=<n> next=<name> sum=<value> self=<value> calls=<[1, 2]>
 """
 
 import os
+import threading
 
 import torch
 
 import rrpc
+
+# State of this script's own module, as in PyTorch's parameter-server tutorial:
+# a call must see the callee's, which only a function sent by name does (a
+# copy sent by value could not even be pickled, with its lock).
+_lock = threading.Lock()
+_calls = 0
+
+
+def count_call():
+    global _calls
+    with _lock:
+        _calls += 1
+        return _calls
 
 
 def describe(x):
@@ -27,8 +41,12 @@ def main():
     target = f"worker{(rank + 1) % world_size}"
     total, name = rrpc.rpc_sync(target, describe, args=(torch.arange(10.0) * rank,))
     here = rrpc.rpc_async(rrpc.get_worker_info(), torch.add, args=(rank, 100)).wait()
+    calls = [rrpc.rpc_sync(target, count_call) for _ in range(2)]
     rrpc.shutdown()
-    print(f"RING rank={rank} world={world_size} next={name} sum={total:g} self={here}", flush=True)
+    print(
+        f"RING rank={rank} world={world_size} next={name} sum={total:g} self={here} calls={calls}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":
