@@ -96,6 +96,7 @@ def init_rpc(
             raise
         _rendezvous = rendezvous
         agent_module.set_current_agent(agent)
+        _stop_before_threads_are_joined()
 
 
 def shutdown(graceful: bool = True, timeout: float = 0) -> None:
@@ -145,6 +146,25 @@ def _stop_at_exit() -> None:
         shutdown(graceful=False)
 
 
+_registered_before_joins = False
+
+
+def _stop_before_threads_are_joined() -> None:
+    """Make a script that ends without ``shutdown()`` (an exception, a forgotten
+    call) exit, and its peers notice: stop the agent before the interpreter
+    joins the gRPC server's threads, which wait on the agent's streams.
+    ``atexit`` runs after that join, too late; threading's own exit hooks run
+    before it, latest registered first (after concurrent.futures' join, which
+    the first Agent's server has registered by now)."""
+    global _registered_before_joins
+    if _registered_before_joins:
+        return
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        register(_stop_at_exit)
+        _registered_before_joins = True
+
+
 def _run_call(payload: tuple, caller: WorkerInfo) -> Any:
     func, args, kwargs = payload
     if is_async_execution(func):
@@ -168,7 +188,9 @@ def rpc_async(
     Args:
         to: the callee's name, rank or ``WorkerInfo``.
         func: a builtin (``torch.add``), any picklable callable, or a lambda /
-            closure (sent by value with cloudpickle).
+            closure (sent by value with cloudpickle). A function of the script
+            itself (``__main__``) goes by name to a worker running the same
+            script, as in torch, and by value to any other.
         args, kwargs: its arguments; tensors travel as raw buffers.
         timeout: seconds; -1 uses ``rpc_timeout`` of the options, 0 waits forever.
 

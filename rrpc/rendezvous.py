@@ -183,9 +183,33 @@ class Rendezvous:
         than blocking in ``store.wait``: it must notice dead ranks while it
         waits, and c10d logs a warning for every ``wait`` that expires. Ranks
         suspected dead (``suspects``, whose streams broke) are probed at once,
-        others every few seconds."""
+        others every few seconds.
+
+        If the store itself is gone (its host, rank 0's process, died), the
+        barrier passes when ``gone`` confirms every other rank dead, and
+        raises saying so otherwise."""
         if self.world_size is None:
             return
+        try:
+            self._barrier(tag, timeout, gone, suspects)
+        except (dist.DistError, ConnectionError) as exc:
+            others = [rank for rank in range(self.world_size) if rank != self.rank]
+            if gone is not None and gone(others):
+                self._gone = set(others)
+                return
+            raise RpcError(
+                f"barrier {tag!r}: the rendezvous store at {self.where} is unreachable "
+                f"({exc}), and some ranks of world_size {self.world_size} still answer"
+            ) from exc
+
+    def _barrier(
+        self,
+        tag: str,
+        timeout: float,
+        gone: Callable[[list[int]], bool] | None,
+        suspects: set[int] | frozenset[int],
+    ) -> None:
+        assert self.world_size is not None
         self.store.set(f"{self.prefix}{tag}/{self.rank}", "1")
         counter = f"{self.prefix}{tag}/arrived"
         arrived = self.store.add(counter, 1)

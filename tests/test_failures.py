@@ -12,14 +12,19 @@ from __future__ import annotations
 
 import os
 import pickle
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 import rrpc
 from harness import WorkerGroup, free_port, mp_context, run_workers
+
+REPO = Path(__file__).resolve().parent.parent
 
 # -- Functions the workers run -------------------------------------------------
 
@@ -443,6 +448,32 @@ def test_shutdown_waits_without_a_time_limit_by_default_like_torch():
         return inspect.signature(shutdown).parameters["timeout"].default
 
     assert default(rrpc.shutdown) == default(torch_rpc.shutdown) == 0
+
+
+def test_a_script_that_raises_without_shutdown_exits_and_its_peer_shuts_down():
+    script = Path(__file__).resolve().parent / "scripts" / "raise_without_shutdown.py"
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
+    env["MASTER_PORT"] = str(free_port())
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    processes = [
+        subprocess.Popen(
+            [sys.executable, str(script)],
+            env={**env, "RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for rank in range(2)
+    ]
+    try:
+        outputs = [process.communicate(timeout=60) for process in processes]
+    finally:
+        for process in processes:
+            process.kill()
+    (out0, err0), (out1, err1) = outputs
+    assert processes[0].returncode == 1 and "boom, without shutdown" in err0, err0[-3000:]
+    assert processes[1].returncode == 0, err1[-3000:]
+    assert out0 == "CALLED worker1\n" and out1 == "CALLED worker0\nSHUT DOWN\n", (out0, out1)
 
 
 # -- Set-up errors -------------------------------------------------------------
