@@ -8,8 +8,15 @@ once it noticed that rank 0 is gone.
 """
 
 import os
+import threading
 
 import rrpc
+
+go = threading.Event()  # rank 0: rank 1 has had its answer
+
+
+def release():
+    go.set()
 
 
 def where():
@@ -21,7 +28,9 @@ def main():
     rrpc.init_rpc(f"worker{rank}")
     print("CALLED", rrpc.rpc_sync(f"worker{1 - rank}", where), flush=True)
     if rank == 0:
+        assert go.wait(60)
         raise RuntimeError("boom, without shutdown")
+    rrpc.rpc_async("worker0", release)  # not waited for: worker0 may be gone before it answers
     rrpc.shutdown()
     print("SHUT DOWN", flush=True)
 
