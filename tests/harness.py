@@ -448,30 +448,74 @@ def _exit_when_parent_dies() -> None:
 
 
 def run_script(script: Any, *args: str, timeout: float) -> subprocess.CompletedProcess:
-    """Run ``python script *args`` as a user would, in its own process group,
-    and kill the whole group (the workers it started included) if it runs over
-    ``timeout`` seconds or the test is interrupted. Output is stdout and
-    stderr together; a run over time fails the test with its last lines."""
+    """Run ``python script *args`` as a user would; see ``run_command``."""
+    return run_command([sys.executable, str(script), *args], timeout=timeout)
+
+
+def run_command(
+    command: Sequence[str],
+    timeout: float,
+    env: Mapping[str, str] | None = None,
+    cwd: Any = None,
+) -> subprocess.CompletedProcess:
+    """Run ``command`` in its own process group, and kill it and every process
+    it started if it runs over ``timeout`` seconds or the test is interrupted.
+    Output is stdout and stderr together; a run over time fails the test with
+    its last lines. Keep ``timeout`` under the test's pytest timeout, or that
+    one ends the test first and nothing is killed."""
     process = subprocess.Popen(
-        [sys.executable, str(script), *args],
+        list(command),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
+        env=None if env is None else dict(env),
+        cwd=cwd,
     )
     try:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
+        kill_tree(process)
         output, _ = process.communicate()
-        raise AssertionError(
-            f"{script} {' '.join(args)} ran over {timeout} s:\n{output[-3000:]}"
-        ) from None
+        ran = " ".join(command)
+        raise AssertionError(f"{ran} ran over {timeout} s:\n{output[-3000:]}") from None
     finally:
         if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+            kill_tree(process)
     return subprocess.CompletedProcess(process.args, process.returncode, output)
+
+
+def kill_tree(process: subprocess.Popen) -> None:
+    """SIGKILL ``process``, its process group and every process descended from
+    it: torchrun starts each worker in a session of its own, out of the
+    group's reach, and a live worker holds the output pipes open."""
+    doomed = _descendants(process.pid)
+    for kill, pid in [(os.killpg, process.pid)] + [(os.kill, pid) for pid in doomed]:
+        try:
+            kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    process.wait()
+
+
+def _descendants(pid: int) -> list[int]:
+    """The pids of every live process below ``pid`` (read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as stat:
+                parent = int(stat.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        children.setdefault(parent, []).append(int(entry))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
 
 
 # -- A world kept up across tests -----------------------------------------------

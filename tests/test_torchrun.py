@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from harness import free_port
+from harness import free_port, run_command
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "torchrun_ring.py"
 REPO = Path(__file__).resolve().parent.parent
@@ -22,18 +21,7 @@ def _torchrun(*launcher_args: str, timeout: float = 90.0) -> subprocess.Complete
         env.pop(variable, None)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     command = [sys.executable, "-m", "torch.distributed.run", *launcher_args, str(SCRIPT)]
-    # Its own process group, so that a hung run is ended with every worker torchrun started.
-    process = subprocess.Popen(
-        command, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        stdout, stderr = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        stdout, stderr = process.communicate()
-        pytest.fail(f"torchrun did not finish within {timeout} s:\n{stdout}\n{stderr[-4000:]}")
-    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+    return run_command(command, timeout=timeout, env=env, cwd=REPO)
 
 
 def _ring_lines(output: str) -> list[str]:
@@ -51,12 +39,12 @@ EXPECTED = [
 def test_script_under_torchrun_with_three_processes_calls_around_the_ring():
     result = _torchrun("--nproc-per-node", "3", "--master-addr", "127.0.0.1",
                        "--master-port", str(free_port()))  # fmt: skip
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert _ring_lines(result.stdout) == EXPECTED, result.stdout + result.stderr[-4000:]
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert _ring_lines(result.stdout) == EXPECTED, result.stdout[-4000:]
 
 
 @pytest.mark.slow
 def test_script_under_torchrun_standalone_c10d_rendezvous_calls_around_the_ring():
     result = _torchrun("--standalone", "--nproc-per-node", "3")
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert _ring_lines(result.stdout) == EXPECTED, result.stdout + result.stderr[-4000:]
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert _ring_lines(result.stdout) == EXPECTED, result.stdout[-4000:]
