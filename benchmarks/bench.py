@@ -61,6 +61,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import netns  # benchmarks/netns.py, beside this file (sys.path[0], also in the workers)
+import numpy as np
 import torch
 
 MiB = 1024 * 1024
@@ -719,6 +720,36 @@ def machine_description() -> str:
     )
 
 
+# Same-host echoes whose round-trip bandwidth is set against memcpy's.
+MEMCPY_ROWS = ("echo_16m", "echo_128m")
+
+
+def memcpy_gb_per_s(nbytes: int) -> float:
+    """One thread's memcpy here: bytes copied per second between two buffers
+    of ``nbytes`` already touched (median of several copies)."""
+    source = np.full(nbytes, 7, dtype=np.uint8)
+    target = np.ones_like(source)
+    times = []
+    for _ in range(max(5, (1 << 30) // nbytes)):
+        start = time.perf_counter()
+        np.copyto(target, source)
+        times.append(time.perf_counter() - start)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def print_memcpy_shares(results: dict[str, dict], memcpy: dict[str, float]) -> None:
+    """The echoes' round-trip bandwidth (2 × bytes ÷ round trip) as a share of memcpy's."""
+    parts = []
+    for name, bandwidth in memcpy.items():
+        shares = [
+            f"{fw} {100 * result['gb_per_s'] / bandwidth:.0f} %"
+            for fw, result in results.get(name, {}).items()
+            if "gb_per_s" in result
+        ]
+        parts.append(f"{name} ({_number(bandwidth)} GB/s): {', '.join(shares) or 'n/a'}")
+    print("round trip as a share of one thread's memcpy of that size, this run:", "; ".join(parts))
+
+
 def _load() -> str:
     return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
@@ -835,6 +866,9 @@ def main(argv: list[str] | None = None) -> None:
     results = {}
     selected = [w for w in WORKLOADS if w.name in args.only]
     # SIGTERM as an exception, so that the veth pair is removed on it too.
+    memcpy = {
+        w.name: memcpy_gb_per_s(ECHO_SIZES[w.name]) for w in selected if w.name in MEMCPY_ROWS
+    }
     with netns.terminate_as_exit(), contextlib.ExitStack() as cleanup:
         hosts: netns.VethPair | str | None = None
         if any(w.veth for w in selected):
@@ -848,6 +882,9 @@ def main(argv: list[str] | None = None) -> None:
             )
     print()
     print_table(results, args.frameworks)
+    if memcpy:
+        print()
+        print_memcpy_shares(results, memcpy)
     print(f"\n{time.monotonic() - started:.0f} s; load average after: {_load()}")
     if args.json:
         with open(args.json, "w") as f:
@@ -856,6 +893,7 @@ def main(argv: list[str] | None = None) -> None:
                     "machine": machine,
                     "repeats": args.repeats,
                     "quick": args.quick,
+                    "memcpy_gb_per_s": memcpy,
                     "results": results,
                 },
                 f,
