@@ -11,16 +11,19 @@ import pytest
 
 from harness import free_port, run_command
 
-SCRIPT = Path(__file__).resolve().parent / "scripts" / "torchrun_ring.py"
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+SCRIPT = SCRIPTS / "torchrun_ring.py"
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _torchrun(*launcher_args: str, timeout: float = 90.0) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
+def _torchrun(
+    *launcher_args: str, timeout: float = 90.0, script: Path = SCRIPT, **extra_env: str
+) -> subprocess.CompletedProcess:
+    env = {**os.environ, **extra_env}
     for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(variable, None)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    command = [sys.executable, "-m", "torch.distributed.run", *launcher_args, str(SCRIPT)]
+    command = [sys.executable, "-m", "torch.distributed.run", *launcher_args, str(script)]
     return run_command(command, timeout=timeout, env=env, cwd=REPO)
 
 
@@ -48,3 +51,22 @@ def test_script_under_torchrun_standalone_c10d_rendezvous_calls_around_the_ring(
     result = _torchrun("--standalone", "--nproc-per-node", "3")
     assert result.returncode == 0, result.stdout[-4000:]
     assert _ring_lines(result.stdout) == EXPECTED, result.stdout[-4000:]
+
+
+def _result_line(output: str) -> str:
+    lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
+    assert len(lines) == 1, output[-4000:]
+    return lines[0]
+
+
+@pytest.mark.slow
+def test_pytorch_batch_parameter_server_tutorial_gives_torchs_weights_under_torchrun():
+    results = {}
+    for framework in ("torch", "rrpc"):
+        result = _torchrun(
+            "--nproc-per-node", "3", "--master-addr", "127.0.0.1", "--master-port",
+            str(free_port()), script=SCRIPTS / "batch_param_server.py", FRAMEWORK=framework,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stdout[-4000:]
+        results[framework] = _result_line(result.stdout)
+    assert results["rrpc"] == results["torch"]
