@@ -100,7 +100,7 @@ log = logging.getLogger("rrpc")
 T = TypeVar("T")
 
 _DROP, _SEND, _FLUSH = "drop", "send", "flush"
-_MAX_HELD_DELETES = 256  # held DELETEs for one owner go at once when there are this many
+_MAX_HELD_DELETES = 256  # held DELETEs go at once when one owner has this many
 
 
 class _Context:
@@ -187,7 +187,7 @@ class _Context:
             forks = self._held_deletes.setdefault(send.to, [])
             forks.append(send.payload)
             if len(forks) >= _MAX_HELD_DELETES:
-                self._send(Send(RREF_DELETE, send.to, tuple(self._held_deletes.pop(send.to))))
+                self._send_deletes()
 
     def _send(self, send: Send) -> None:
         """Send one protocol message; its answer (or failure) goes to ``_answered``."""

@@ -616,28 +616,30 @@ def _wait_confirmed(rrefs):
     wait_until(lambda: all(rref.confirmed_by_owner() for rref in rrefs), what="confirmations")
 
 
-def _drop_twenty(rank, world_size):
+def _drop_together(rank, world_size, count):
     if rank != 0:
         return None
     rrpc.rpc_sync("worker1", _watch_deletes)
-    rrefs = [rrpc.remote("worker1", Counted, args=(i,)) for i in range(20)]
+    rrefs = [rrpc.remote("worker1", Counted, args=(i,)) for i in range(count)]
     _wait_confirmed(rrefs)
     del rrefs
     wait_until(
         lambda: rrpc.rpc_sync("worker1", rrpc.rref_debug_info)["num_owner_rrefs"] == 0,
-        what="all 20 values freed",
+        what=f"all {count} values freed",
     )
     return rrpc.rpc_sync("worker1", _deletes_so_far)
 
 
 @pytest.mark.parametrize(
-    "delay, expected", [(0.5, [20]), (0.0, [1] * 20)], ids=["lingering", "off"]
+    "delay, count, expected",
+    [(0.5, 20, [20]), (0.0, 20, [1] * 20), (0.5, 600, [256, 256, 88])],
+    ids=["lingering", "off", "at most 256 per message"],
 )
 def test_rrefs_dropped_together_reach_their_owner_as_one_delete_unless_switched_off(
-    delay, expected
+    delay, count, expected
 ):
     options = rrpc.RpcBackendOptions(rref_delete_delay=delay)
-    user, _ = run_workers(_drop_twenty, world_size=2, backend_options=options)
+    user, _ = run_workers(_drop_together, world_size=2, args=(count,), backend_options=options)
     assert user == expected
 
 
