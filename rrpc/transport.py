@@ -47,6 +47,7 @@ from typing import Any
 import grpc
 
 from rrpc import codec
+from rrpc.futures import mark_transport_thread
 from rrpc.messages import AuthenticationError, PeerUnavailableError
 
 SERVICE = "rrpc.Worker"
@@ -184,6 +185,7 @@ class _TakeTurns:
         self._ended = False
 
     def run(self) -> None:
+        mark_transport_thread()
         while True:
             with self._guard:
                 self._waiting += 1
@@ -259,6 +261,7 @@ class Connection:
         self._outbox.put(pieces)
 
     def _receive(self) -> None:
+        mark_transport_thread()
         error: BaseException | None = None
         try:
             _read_frames(self._call, self._reader, self._on_frame, self._outbox)
