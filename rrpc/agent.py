@@ -38,6 +38,7 @@ import grpc
 import torch
 
 from rrpc import codec, messages, shm, transport
+from rrpc.futures import Future, mark_transport_thread, on_done, settle
 from rrpc.messages import (
     ERROR,
     REPLY,
@@ -146,8 +147,16 @@ class _Pending:
 
 
 def remote_exception_payload(exc: BaseException, where: str) -> tuple:
-    """What an ERROR reply carries: the exception if it pickles, and always its text."""
-    text = "".join(traceback.format_exception(exc))
+    """What an ERROR reply carries: the exception if it pickles, and always its text.
+
+    An error that came from another worker and is only passed on (a nested
+    call, a distributed backward's hop) keeps the traceback and the worker of
+    its origin: it is not formatted again at every hop."""
+    origin = getattr(exc, "remote_origin", None)
+    if origin is not None:
+        text, where = exc.remote_traceback, origin  # type: ignore[attr-defined]
+    else:
+        text = "".join(traceback.format_exception(exc))
     try:
         blob: bytes | None = pickle.dumps(exc)
     except Exception:
@@ -166,7 +175,10 @@ def rebuild_remote_exception(payload: tuple) -> BaseException:
             exc = None
     if not isinstance(exc, BaseException):
         exc = RemoteError(name, message, text)
+    if getattr(exc, "remote_origin", None) is not None:
+        return exc  # passed on by the peer: it has its origin's traceback and note already
     exc.remote_traceback = text  # type: ignore[attr-defined]
+    exc.remote_origin = where  # type: ignore[attr-defined]
     if hasattr(exc, "add_note"):  # Python 3.11+
         exc.add_note(f"\nRemote traceback (on {where}):\n{text.rstrip()}")
     return exc
@@ -262,6 +274,7 @@ class _Deadlines:
                     self._cond.notify()
 
     def _run(self) -> None:
+        mark_transport_thread()
         while True:
             with self._cond:
                 now = time.monotonic()
@@ -357,21 +370,30 @@ class Agent:
             self._shm_peers[info.id] = self.shm_pool.towards(pid)
 
     def worker_info(self, to: Any) -> WorkerInfo:
-        """Resolve a name, a rank or a WorkerInfo to a known worker."""
+        """Resolve a name, a rank or a WorkerInfo to a known worker.
+
+        As torch: an unknown worker is a RuntimeError (``RpcError``), a value
+        that names no worker at all (a float, None) a ValueError."""
         if isinstance(to, WorkerInfo):
             found = self._peers_by_rank.get(to.id)
         elif isinstance(to, str):
             found = self._peers_by_name.get(to)
-        elif isinstance(to, int):
+        elif isinstance(to, int) and not isinstance(to, bool):
             found = self._peers_by_rank.get(to)
         else:
-            raise TypeError(f"'to' must be a worker name, rank or WorkerInfo, not {type(to)}")
+            raise ValueError(
+                f"cannot get a WorkerInfo from {to!r}: pass a name, rank or WorkerInfo"
+            )
         if found is None and self.lookup is not None:
             found = self._learn(to.id if isinstance(to, WorkerInfo) else to)
         if found is None:
             known = ", ".join(sorted(self._peers_by_name)) or "none"
-            raise ValueError(f"unknown worker {to!r} (known workers: {known})")
+            raise RpcError(f"could not find destination worker {to!r} (known workers: {known})")
         return found
+
+    def get_worker_infos(self) -> list[WorkerInfo]:
+        """Every worker this one knows, itself included (torch's agent method)."""
+        return self.all_workers()
 
     def _learn(self, worker: str | int) -> WorkerInfo | None:
         """Ask the rendezvous about a worker that joined after this one."""
@@ -445,7 +467,7 @@ class Agent:
             key = (self.info.id, request_id, False)
             self.autograd_hooks.on_send(context_id, peer, key, out.grad_tensors)
         connection = self._connection(peer)
-        future: SyncReply | torch.futures.Future = SyncReply() if sync else torch.futures.Future()
+        future: SyncReply | Future = SyncReply() if sync else Future()
         now = time.monotonic()
         deadline = now + timeout if timeout > 0 else math.inf
         self._pending[request_id] = _Pending(future, peer, what, deadline, now, connection)
@@ -508,18 +530,18 @@ class Agent:
             value = codec.loads(frame, peer, hook)
         except Exception as exc:
             stats.errors += 1
-            pending.future.set_exception(exc)
+            settle(pending.future, error=exc)
             return
         if envelope.kind == ERROR:
             stats.errors += 1
-            pending.future.set_exception(rebuild_remote_exception(value))
+            settle(pending.future, error=rebuild_remote_exception(value))
         else:
-            pending.future.set_result(value)
+            settle(pending.future, value)
 
     def _fail(self, request_id: int, error: BaseException) -> None:
         pending = self._pending.pop(request_id, None)
         if pending is not None:
-            pending.future.set_exception(error)
+            settle(pending.future, error=error)
 
     def _expire(self, request_id: int) -> None:
         pending = self._pending.get(request_id)
@@ -580,10 +602,8 @@ class Agent:
         tensor_bytes = frame.tensor_bytes()
         stats.bytes_received += len(frame.payload) + tensor_bytes
         stats.tensor_bytes_received += tensor_bytes
-        previous_context = thread_state.autograd_context_id
-        thread_state.autograd_context_id = context_id
+        handler = self.handlers.get(envelope.kind)
         try:
-            handler = self.handlers.get(envelope.kind)
             if handler is None:
                 raise RpcError(
                     f"{self.info.name} has no handler for {messages.kind_name(envelope.kind)}"
@@ -592,20 +612,46 @@ class Agent:
             if context_id and self.autograd_hooks is not None:
                 key = (peer.id, envelope.request_id, False)
                 hook = self.autograd_hooks.tensor_hook(context_id, peer, key)
-            result = handler(codec.loads(frame, peer, hook), peer)
+            request, waits = codec.loads_waiting(frame, peer, hook)
         except BaseException as exc:
             self._reply_error(exc, peer, envelope.request_id, respond)
+            return
+        del frame
+        run = (self._run, handler, request, peer, envelope.request_id, context_id, respond)
+        if not waits:
+            run[0](*run[1:])
+            return
+        # It names a value still being created here: run it once that is done.
+        remaining = [len(waits)]
+        lock = threading.Lock()
+
+        def ready(_: Any) -> None:
+            with lock:
+                remaining[0] -= 1
+                if remaining[0]:
+                    return
+            self._pool.submit(*run)
+
+        for wait in waits:
+            on_done(wait, ready)
+
+    def _run(self, handler, request, peer: WorkerInfo, request_id: int, context_id: int, respond):
+        previous_context = thread_state.autograd_context_id
+        thread_state.autograd_context_id = context_id
+        try:
+            result = handler(request, peer)
+        except BaseException as exc:
+            self._reply_error(exc, peer, request_id, respond)
             return
         finally:
             thread_state.autograd_context_id = previous_context
         if isinstance(result, Deferred):
-            result.future.add_done_callback(
-                lambda done: self._reply_future(
-                    done, peer, envelope.request_id, context_id, respond
-                )
+            on_done(
+                result.future,
+                lambda done: self._reply_future(done, peer, request_id, context_id, respond),
             )
         else:
-            self._reply(result, peer, envelope.request_id, context_id, respond)
+            self._reply(result, peer, request_id, context_id, respond)
 
     def _reply_future(self, done, peer, request_id, context_id, respond) -> None:
         try:
@@ -706,7 +752,7 @@ def _wait_future(future: torch.futures.Future | SyncReply, timeout: float) -> bo
     if future.done():
         return True
     event = threading.Event()
-    future.add_done_callback(lambda _: event.set())
+    on_done(future, lambda _: event.set())
     return event.wait(None if timeout == math.inf else max(0.0, timeout))
 
 

@@ -63,6 +63,7 @@ import torch
 from rrpc import agent as agent_module
 from rrpc.agent import Agent, Deferred
 from rrpc.autograd_context import Context, ContextTable, MessageKey
+from rrpc.futures import on_done
 from rrpc.messages import AUTOGRAD_BACKWARD, AUTOGRAD_RELEASE, WorkerInfo, thread_state
 
 __all__ = ["backward", "context", "get_gradients", "is_available"]
@@ -145,9 +146,15 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
             rrpc.autograd.backward(context_id, [loss])
     """
     if not isinstance(context_id, int) or isinstance(context_id, bool):
-        raise TypeError(f"context_id must be an int, not {type(context_id).__name__}")
+        raise TypeError(
+            "incompatible function arguments: context_id must be an int, "
+            f"not {type(context_id).__name__}"
+        )
     if isinstance(roots, torch.Tensor) or not isinstance(roots, Sequence):
-        raise TypeError(f"roots must be a list of tensors, not {type(roots).__name__}")
+        raise TypeError(
+            "incompatible function arguments: roots must be a list of tensors, "
+            f"not {type(roots).__name__}"
+        )
     roots = list(roots)
     if not roots:
         raise RuntimeError("No tensors provided for gradient computation.")
@@ -167,7 +174,7 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
     agent = agent_module.current_agent()
     hops = _local_pass(agent, context, roots, [torch.ones_like(root) for root in roots])
     if hops:
-        _all_of(hops).wait()
+        _all_of(hops).wait()  # a hop's error names its node already
 
 
 def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
@@ -319,7 +326,12 @@ def _local_pass(
     inputs = leaves + dummies
     if not inputs:
         return []
-    results = _gradients(outputs, grads, inputs)
+    try:
+        results = _gradients(outputs, grads, inputs)
+    except Exception as exc:
+        # As torch: the error names the worker where the pass failed, once,
+        # however many hops it travels back.
+        raise RuntimeError(f"Error on Node {agent.info.id}: {exc}") from exc
     for leaf, grad in zip(leaves, results[: len(leaves)], strict=True):
         if grad is not None:
             context.accumulate(leaf, grad)
@@ -366,7 +378,7 @@ def _all_of(futures: list[torch.futures.Future]) -> torch.futures.Future:
             combined.set_result(None)
 
     for future in futures:
-        future.add_done_callback(done)
+        on_done(future, done)
     return combined
 
 
@@ -404,7 +416,7 @@ def _release(context_id: int) -> None:
         with _pending_lock:
             _pending_releases.discard(settled)
 
-    settled.add_done_callback(forget)
+    on_done(settled, forget)
 
 
 def _release_here(context_id: int, told: frozenset[int]) -> list[torch.futures.Future]:
@@ -456,7 +468,7 @@ def _settled(futures: list[torch.futures.Future]) -> torch.futures.Future:
             combined.set_result(None)
 
     for future in futures:
-        future.add_done_callback(done)
+        on_done(future, done)
     return combined
 
 

@@ -99,6 +99,7 @@ class _CodecState(threading.local):
     grad_tensors: list[torch.Tensor] | None = None
     undo: list[Callable[[], None]] | None = None  # see on_discard
     same_main: bool = False  # the peer runs this worker's __main__ script
+    waits: list[Any] | None = None  # see wait_for
 
 
 _state = _CodecState()
@@ -117,6 +118,14 @@ def on_discard(undo: Callable[[], None]) -> None:
     so that only the pickling that is sent has effects."""
     if _state.undo is not None:
         _state.undo.append(undo)
+
+
+def wait_for(future: Any) -> None:
+    """From a rebuild function: the message being unpickled must not run
+    before ``future`` is done (an RRef it names whose value is still being
+    created here). ``loads_waiting`` returns these."""
+    if _state.waits is not None:
+        _state.waits.append(future)
 
 
 # -- Encoding ------------------------------------------------------------------
@@ -162,6 +171,10 @@ def _rebuild_tensor(buffer: Any, dtype_index: int, shape: tuple, requires_grad: 
         # A shared-memory slot: torch views keep the uint8 tensor (whose
         # release frees the slot) alive; numpy views would skip it for the map.
         tensor = buffer.view(DTYPES[dtype_index]).reshape(shape)
+    return _with_grad(tensor, requires_grad)
+
+
+def _with_grad(tensor: torch.Tensor, requires_grad: bool) -> torch.Tensor:
     hook = _state.tensor_hook
     if requires_grad:
         if hook is not None:
@@ -170,7 +183,39 @@ def _rebuild_tensor(buffer: Any, dtype_index: int, shape: tuple, requires_grad: 
     return tensor
 
 
+def _rebuild_strided(
+    buffer: Any, dtype_index: int, shape: tuple, strides: tuple, requires_grad: bool
+) -> torch.Tensor:
+    span = _rebuild_tensor(buffer, dtype_index, (-1,), False)
+    return _with_grad(span.as_strided(shape, strides), requires_grad)
+
+
+# A non-contiguous view keeps its strides when the storage it spans (from its
+# first element to its last) is small or at most this many times its own
+# bytes; otherwise only its elements travel, contiguous.
+_SPAN_FACTOR = 4
+_SMALL_SPAN = 64 << 10
+
+
+def _storage_span(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The 1-D run of storage a non-contiguous view spans, when sending it
+    (and rebuilding the view's strides over it) is worth it; else None."""
+    if tensor.is_conj() or tensor.is_neg() or tensor.numel() == 0:
+        return None
+    last = sum(
+        (size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
+    )
+    span = last + 1
+    if span * tensor.element_size() > max(_SPAN_FACTOR * tensor.nbytes, _SMALL_SPAN):
+        return None
+    return tensor.detach().as_strided((span,), (1,))
+
+
 def _rebuild_parameter(buffer: Any, dtype_index: int, shape: tuple, requires_grad: bool):
+    if requires_grad and _state.tensor_hook is not None:
+        # In a distributed autograd context a parameter is a tensor that
+        # requires grad like any other (as in torch): its gradient goes back.
+        return _rebuild_tensor(buffer, dtype_index, shape, True)
     tensor = _rebuild_tensor(buffer, dtype_index, shape, False)
     return torch.nn.Parameter(tensor, requires_grad=requires_grad)
 
@@ -185,8 +230,19 @@ def _reduce_tensor(pickler: Any, obj: Any) -> Any:
     if not obj.is_cpu:
         obj = obj.cpu()
     requires_grad = obj.requires_grad
-    if requires_grad and kind is torch.Tensor and pickler.grad_tensors is not None:
+    if requires_grad and pickler.grad_tensors is not None:
         pickler.grad_tensors.append(obj)
+    if kind is torch.Tensor and not obj.is_contiguous():
+        span = _storage_span(obj)
+        if span is not None:  # as torch: a view arrives a view, with its strides
+            shape, strides = tuple(obj.shape), obj.stride()
+            return _rebuild_strided, (
+                _tensor_bytes(span),
+                dtype_index,
+                shape,
+                strides,
+                requires_grad,
+            )
     rebuild = _rebuild_parameter if kind is torch.nn.Parameter else _rebuild_tensor
     return rebuild, (_tensor_bytes(obj), dtype_index, tuple(obj.shape), requires_grad)
 
@@ -390,14 +446,30 @@ def loads(
     tensor_hook: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> Any:
     """Unpickle a frame's payload; ``tensor_hook`` sees each tensor that required grad."""
-    previous = _state.peer, _state.tensor_hook
-    _state.peer, _state.tensor_hook = peer, tensor_hook
+    return loads_waiting(frame, peer, tensor_hook)[0]
+
+
+def loads_waiting(
+    frame: Frame,
+    peer: Any = None,
+    tensor_hook: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[Any, list[Any]]:
+    """``loads``, and the futures the message must wait for before it runs (``wait_for``)."""
+    previous = _state.peer, _state.tensor_hook, _state.waits
+    waits: list[Any] = []
+    _state.peer, _state.tensor_hook, _state.waits = peer, tensor_hook, waits
     try:
-        return pickle.loads(frame.payload, buffers=frame.buffers)
+        return pickle.loads(frame.payload, buffers=frame.buffers), waits
     except Exception as exc:
-        raise SerializationError(f"cannot unpickle a message from {peer}: {exc!r}") from exc
+        hint = ""
+        if isinstance(exc, AttributeError):  # a function or class this side lacks
+            hint = (
+                " (the RPC pickler does not serialize the code of functions defined in "
+                "modules: define them on both caller and callee)"
+            )
+        raise SerializationError(f"cannot unpickle a message from {peer}: {exc!r}{hint}") from exc
     finally:
-        _state.peer, _state.tensor_hook = previous
+        _state.peer, _state.tensor_hook, _state.waits = previous
 
 
 def _declared_size(envelope: Envelope) -> int:

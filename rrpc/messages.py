@@ -9,6 +9,7 @@ message's delivery is known to its sender and shutdown can wait for them.
 
 from __future__ import annotations
 
+import re
 import threading
 from dataclasses import dataclass
 
@@ -39,12 +40,24 @@ def kind_name(kind: int) -> str:
 
 
 # -- Identity ------------------------------------------------------------------
+_NAME = re.compile(r"[A-Za-z0-9\-_:]+\Z")
+
+
 @dataclass(frozen=True)
 class WorkerInfo:
     """A worker's name and rank (``id``), as ``torch.distributed.rpc.WorkerInfo``."""
 
     name: str
     id: int
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.name, str) and 0 < len(self.name) < 128) or not _NAME.match(
+            self.name
+        ):
+            raise RpcError(
+                "Worker name must match ^[A-Za-z0-9-_:]*$, and must be non-empty and "
+                f"shorter than 128 chars, but got {self.name!r}"
+            )
 
     def __repr__(self) -> str:
         return f"WorkerInfo(id={self.id}, name={self.name})"
@@ -79,10 +92,15 @@ class RemoteError(RpcError):
     """A remote exception whose own type could not be rebuilt on this side."""
 
     def __init__(self, type_name: str, message: str, remote_traceback: str = ""):
-        super().__init__(f"{type_name}: {message}")
+        # Worded as torch's, which code may match: the type is not rebuilt here.
+        super().__init__(f"Original exception on remote side was {type_name}: {message}")
         self.type_name = type_name
         self.remote_message = message
         self.remote_traceback = remote_traceback
+
+    def __reduce__(self) -> tuple:
+        args = (self.type_name, self.remote_message, self.remote_traceback)
+        return type(self), args, self.__dict__
 
 
 # -- Per-thread call state -----------------------------------------------------

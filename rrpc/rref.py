@@ -44,7 +44,6 @@ that comes back to its owner unpickles as the very same object.
 
 from __future__ import annotations
 
-import copy
 import functools
 import gc
 import itertools
@@ -62,13 +61,14 @@ import torch
 from rrpc import agent as agent_module
 from rrpc import autograd as dist_autograd
 from rrpc import codec
-from rrpc.agent import Agent, Deferred, SyncReply, current_agent
+from rrpc.agent import Agent, Deferred, SyncReply
 from rrpc.functions import (
     async_execution,
     async_result_error,
     callable_name,
     is_async_execution,
 )
+from rrpc.futures import Future, copy_error, on_done
 from rrpc.messages import (
     CALL,
     RREF_ACCEPT,
@@ -116,6 +116,9 @@ class _Context:
         # Protocol messages sent and not answered yet (FORK is counted as an
         # unconfirmed fork in the user table instead).
         self.in_flight = {RREF_ACCEPT: 0, RREF_DELETE: 0, RREF_CREATE_FAILED: 0}
+        # Forks received from a non-owner, until the owner answers their FORK:
+        # a message that brought one runs only then (as in torch).
+        self.confirmations: dict[ForkId, torch.futures.Future] = {}
         self._ids = itertools.count(1)
         # DELETEs held back (see the rules): owner rank -> forks, and when the
         # oldest of them was dropped. Only the sender thread touches these.
@@ -198,7 +201,7 @@ class _Context:
         except BaseException as exc:
             self._answered(send, exc)
             return
-        future.add_done_callback(functools.partial(self._on_reply, send))
+        on_done(future, functools.partial(self._on_reply, send))
 
     def _on_reply(self, send: Send, future: torch.futures.Future) -> None:
         self._answered(send, _outcome(future)[1])
@@ -218,13 +221,18 @@ class _Context:
 
     def _confirmed(self, fork_id: ForkId, error: BaseException | None) -> list[Send]:
         """The owner answered the CREATE or FORK of ``fork_id``; send what follows."""
+        waiting = None
         try:
             with self.lock:
+                waiting = self.confirmations.pop(fork_id, None)
                 sends = self.users.confirmed(fork_id, counted=error is None)
                 self.changed.notify_all()
         except ProtocolError:
             log.exception("rrpc: confirmation of fork %s", format_id(fork_id))
             return []
+        finally:
+            if waiting is not None:
+                waiting.set_result(None)  # the message runs; a failed fork raises on use
         self.post(sends)
         return sends
 
@@ -256,7 +264,7 @@ class _Context:
         # Not created yet: reply when it is. An error then travels as a _Failed
         # result (see the rules), which the user's _result raises.
         reply: torch.futures.Future = torch.futures.Future()
-        value.add_done_callback(functools.partial(_forward, reply))
+        on_done(value, functools.partial(_forward, reply))
         return Deferred(reply)
 
     def serve_fork(self, payload: tuple, caller: WorkerInfo) -> None:
@@ -340,7 +348,11 @@ _ctx: _Context | None = None
 def _context() -> _Context:
     ctx = _ctx
     if ctx is None:
-        current_agent()  # raises "RPC has not been initialized"
+        if agent_module._current is None:
+            raise RpcError(  # worded as torch's
+                "Current RPC agent is not set! Did you initialize the RPC framework "
+                "(e.g. by calling rrpc.init_rpc)?"
+            )
         raise RpcError("RRefs are not available: rrpc.rref was not started with this agent")
     return ctx
 
@@ -407,25 +419,6 @@ def _outcome(future: torch.futures.Future) -> tuple[Any, BaseException | None]:
         return None, exc
 
 
-def _copy_error(error: BaseException) -> BaseException:
-    """A fresh copy to raise, so that the kept one never gets a traceback."""
-    kind = type(error)
-    try:
-        clone = copy.copy(error)  # rebuilds from args: keeps C fields (OSError.errno)
-    except Exception:
-        try:  # an __init__ that does not take its own args back
-            clone = kind.__new__(kind)
-            clone.args = error.args
-            clone.__dict__.update(error.__dict__)
-        except Exception:
-            return error
-    notes = error.__dict__.get("__notes__")
-    if notes is not None:
-        clone.__dict__["__notes__"] = list(notes)  # add_note on the copy must not reach the kept
-    clone.__cause__ = error.__cause__
-    return clone
-
-
 def _result(future: torch.futures.Future) -> Any:
     """``future.wait()`` for a done future, raising errors (and _Failed values) as copies."""
     value, error = _outcome(future)
@@ -433,7 +426,7 @@ def _result(future: torch.futures.Future) -> Any:
     if isinstance(value, _Failed):
         error = value.error
     if error is not None:
-        raise _copy_error(error)
+        raise copy_error(error)
     return value
 
 
@@ -442,7 +435,7 @@ def _sync_result(reply: SyncReply) -> Any:
     the reply), a _Failed value is raised as a copy."""
     value = reply.wait()
     if isinstance(value, _Failed):
-        raise _copy_error(value.error)
+        raise copy_error(value.error)
     return value
 
 
@@ -481,7 +474,7 @@ def _evaluate_into(
         _complete(future, done)
         set_.set_result(None)
 
-    result.add_done_callback(finish)
+    on_done(result, finish)
     return Deferred(set_)
 
 
@@ -489,7 +482,7 @@ def _wait(future: torch.futures.Future, timeout: float, what: str) -> Any:
     """``_result(future)`` once done, within ``timeout`` (0: none) or RpcTimeoutError."""
     if not future.done():
         event = threading.Event()
-        future.add_done_callback(lambda _: event.set())
+        on_done(future, lambda _: event.set())
         if not event.wait(timeout or None):
             raise RpcTimeoutError(f"{what} timed out after {timeout:g} s")
     return _result(future)
@@ -561,12 +554,12 @@ class RRef(Generic[T]):
         except Exception:
             pass  # interpreter shutdown, or a half-built object
 
-    def _live_context(self) -> _Context:
+    def _live_context(self, doing: str = "this") -> _Context:
         ctx = self._ctx
         if ctx is None or not ctx.running or ctx is not _ctx:
             raise RpcError(
-                f"{self!r} belongs to an RPC session that has been shut down; "
-                "RRefs cannot be used after rrpc.shutdown()"
+                f"{self!r}: Cannot call {doing} on it after deletion. It belongs to an RPC "
+                "session that has been shut down; RRefs cannot be used after rrpc.shutdown()"
             )
         return ctx
 
@@ -578,7 +571,7 @@ class RRef(Generic[T]):
         if creation.done():
             error = _outcome(creation)[1]
             if error is not None:
-                raise _copy_error(error)
+                raise copy_error(error)
         elif time.monotonic() > self._deadline:
             raise RpcTimeoutError(
                 f"remote() creating {self!r} on {self._owner.name} was not confirmed by its "
@@ -629,7 +622,7 @@ class RRef(Generic[T]):
         Raises the error of the function behind ``remote()``, with its own type.
         ``timeout`` in seconds; -1: the default ``rpc_timeout``, 0: none.
         """
-        ctx = self._live_context()
+        ctx = self._live_context("to_here()")
         timeout = ctx.agent.resolve_timeout(timeout)
         if self._fork is None:
             assert self._future is not None
@@ -671,7 +664,7 @@ class RRef(Generic[T]):
         ``RRef(value)``, a completed one."""
         if self._creation is not None:
             return self._creation
-        future: torch.futures.Future = torch.futures.Future()
+        future = Future()
         future.set_result(None)
         return future
 
@@ -686,7 +679,7 @@ class RRef(Generic[T]):
                 self._type = _sync_result(reply)
         if blocking:
             return self._type
-        future: torch.futures.Future = torch.futures.Future()
+        future = Future()
         future.set_result(self._type)
         return future
 
@@ -711,10 +704,11 @@ class RRef(Generic[T]):
         peer = codec.current_peer()
         if peer is None:
             raise RuntimeError(
-                f"{self!r} can only be pickled by rrpc, as an argument or a result of an RPC "
-                "(pickling it elsewhere would create a reference its owner cannot count)"
+                f"Can not pickle rref in python pickler: {self!r} can only be pickled by rrpc, "
+                "as an argument or a result of an RPC (pickling it elsewhere would create a "
+                "reference its owner cannot count)"
             )
-        ctx = self._live_context()
+        ctx = self._live_context("fork")
         self._check_created()  # as torch: an RRef whose creation failed is not passed on
         child = ctx.new_id()
         with ctx.lock:
@@ -759,11 +753,20 @@ def _rebuild(rref_id: RRefId, owner_rank: int, fork_id: ForkId) -> RRef:
         with ctx.lock:
             holder, sends = ctx.owners.receive(rref_id, fork_id, sender.id)
         ctx.post(sends)
+        if holder._future is not None and not holder._future.done():
+            # Its remote() has not finished here: the message that names it
+            # runs after, as everything the sender sent before it did.
+            codec.wait_for(holder._future)
         return holder
     rref = RRef._make(ctx, rref_id, fork_id, ctx.agent.worker_info(owner_rank), None)
+    confirmed = None
     with ctx.lock:
         sends = ctx.users.received(rref_id, fork_id, owner_rank, sender.id)
+        if sends:  # a FORK to the owner: the message runs once it is answered
+            confirmed = ctx.confirmations[fork_id] = torch.futures.Future()
     ctx.post(sends)
+    if confirmed is not None:
+        codec.wait_for(confirmed)
     return rref
 
 
@@ -785,9 +788,14 @@ class _Proxy:
         return f"<{self._mode}() proxy of {self._rref!r}>"
 
 
-def _invoke(rref: RRef, mode: str, method: str, timeout: float, *args: Any, **kwargs: Any) -> Any:
+def _invoke(
+    rref: RRef, mode: str, method: str, timeout: float, /, *args: Any, **kwargs: Any
+) -> Any:
     rref._check_created()
     if mode == "remote":  # the RRef travels: remote() answers before the call has run
+        value_type = rref._get_type(timeout)
+        if not hasattr(value_type, method):  # as torch: raise here, at once
+            raise AttributeError(f"{value_type.__name__!r} object has no attribute {method!r}")
         call_args = (rref, method, args, kwargs)
         return remote(rref._owner, _invoke_on_owner, call_args, timeout=timeout)
     sync = mode == "rpc_sync"
@@ -812,7 +820,7 @@ def _call_on_owner(
     payload: tuple = (func, (target, *args), {})
     reply = agent.send(rref._owner, CALL, payload, agent.resolve_timeout(timeout), what, sync)
     if not sync:
-        reply.add_done_callback(functools.partial(_hold_until_done, rref))
+        on_done(reply, functools.partial(_hold_until_done, rref))
     return reply
 
 
@@ -900,7 +908,7 @@ def remote(
         # function runs on the worker pool); the result goes into the owner RRef.
         value: torch.futures.Future = torch.futures.Future()
         call = agent.send(peer, CALL, (func, payload_args, payload_kwargs), timeout, what)
-        call.add_done_callback(functools.partial(_complete, value))
+        on_done(call, functools.partial(_complete, value))
         return RRef._make(ctx, ctx.new_id(), None, peer, value)
     rref_id, fork_id = ctx.new_id(), ctx.new_id()
     with ctx.lock:
@@ -919,7 +927,7 @@ def remote(
     rref = RRef._make(ctx, rref_id, fork_id, peer, None)
     rref._creation = creation
     rref._deadline = time.monotonic() + timeout if timeout else math.inf
-    creation.add_done_callback(functools.partial(ctx.on_created, rref_id, fork_id, peer.id))
+    on_done(creation, functools.partial(ctx.on_created, rref_id, fork_id, peer.id))
     return rref
 
 
