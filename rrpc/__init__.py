@@ -1,14 +1,16 @@
 """rrpc: remote procedure calls for PyTorch over gRPC.
 
 The API mirrors ``torch.distributed.rpc``: code written for it runs on rrpc
-by changing its imports. See README.md and DESIGN.md.
+by changing its imports. See README.md and ARCHITECTURE.md.
 """
 
-from rrpc import autograd, functions, optim
+from rrpc import autograd, functions, nn, optim
 from rrpc.api import (
     BackendType,
+    get_rpc_timeout,
     get_worker_info,
     init_rpc,
+    is_available,
     rpc_async,
     rpc_sync,
     shutdown,
@@ -42,8 +44,11 @@ __all__ = [
     "WorkerInfo",
     "autograd",
     "functions",
+    "get_rpc_timeout",
     "get_worker_info",
     "init_rpc",
+    "is_available",
+    "nn",
     "optim",
     "remote",
     "rpc_async",

@@ -65,9 +65,20 @@ def init_rpc(
     global _rendezvous
     if not isinstance(name, str) or not name:
         raise ValueError(f"worker name must be a non-empty string, not {name!r}")
+    WorkerInfo(name, 0)  # raises as torch for a name it would refuse
+    if backend is not None and type(backend).__name__ != "BackendType":
+        raise TypeError(
+            f"Argument backend must be a member of BackendType (rrpc.BackendType or "
+            f"torch's), not {backend!r}"
+        )
     options = rpc_backend_options or RpcBackendOptions()
     if not isinstance(options, RpcBackendOptions):
-        raise TypeError(f"rpc_backend_options must be rrpc.RpcBackendOptions, not {type(options)}")
+        if backend is None:  # torch infers the backend from the options' class
+            raise TypeError(f"Could not infer backend for options {options!r}")
+        raise TypeError(
+            "Argument rpc_backend_options must be an instance of RpcBackendOptions "
+            f"(rrpc.RpcBackendOptions), not {type(options).__name__}"
+        )
     if rank is not None and rank < 0:
         rank = None  # torch's "unset" default is -1
     with _lock:
@@ -234,6 +245,21 @@ def _send_call(to, func, args, kwargs, timeout: float, sync: bool):
     what = f"call of {callable_name(func)}"
     payload = (func, args or (), kwargs or {})
     return agent.send(peer, CALL, payload, agent.resolve_timeout(timeout), what, sync)
+
+
+def get_rpc_timeout() -> float:
+    """The default timeout of this worker's calls, in seconds (``rpc_timeout`` of its options)."""
+    return current_agent().options.rpc_timeout
+
+
+def _set_rpc_timeout(rpc_timeout: float) -> None:
+    """Change this worker's default call timeout (seconds), as torch's private helper."""
+    current_agent().options.rpc_timeout = float(rpc_timeout)
+
+
+def is_available() -> bool:
+    """Whether rrpc can be used here: always True (torch's answers for its C++ build)."""
+    return True
 
 
 def get_worker_info(worker_name: str | None = None) -> WorkerInfo:

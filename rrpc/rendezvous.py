@@ -49,13 +49,20 @@ def resolve_world(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if rank < 0 or (world_size is not None and rank >= world_size):
         raise ValueError(f"rank {rank} is out of range for world_size {world_size}")
+    if init_method.startswith("file://"):
+        if not urlparse(init_method).path:
+            raise ValueError(f"init_method {init_method!r} must be file:///path/to/file")
+        return rank, world_size, init_method, 0
     if init_method.startswith("tcp://"):
         parsed = urlparse(init_method)
         if not parsed.hostname or not parsed.port:
             raise ValueError(f"init_method {init_method!r} must be tcp://host:port")
         return rank, world_size, parsed.hostname, parsed.port
     if init_method != "env://":
-        raise ValueError(f"init_method must be 'env://' or 'tcp://host:port', not {init_method!r}")
+        raise ValueError(
+            f"init_method must be 'env://', 'tcp://host:port' or 'file:///path', "
+            f"not {init_method!r}"
+        )
     host = os.environ.get("MASTER_ADDR")
     port = os.environ.get("MASTER_PORT")
     if not host or not port:
@@ -72,11 +79,41 @@ def _env_int(variable: str, argument: str) -> int:
     return int(value)
 
 
+# The stores this process hosts, kept across shutdown() and init_rpc() as in
+# torch: a worker that re-inits at once must find the store still served.
+_hosted_stores: dict[tuple[str, int], dist.Store] = {}
+
+
+def _open_store(
+    host: str, port: int, world_size: int | None, hosting: bool, timeout: float
+) -> dist.Store:
+    """The rendezvous store: a FileStore for ``file://``, else a TCPStore at
+    host:port, hosted here when ``hosting``. TCPStores are multi-tenant, as
+    ``torch.distributed``'s own: ``init_process_group`` and ``init_rpc`` of
+    one process share one server on MASTER_PORT."""
+    if host.startswith("file://"):
+        return dist.FileStore(urlparse(host).path, world_size or -1)
+    store = dist.TCPStore(
+        host,
+        port,
+        world_size,
+        is_master=hosting,
+        timeout=timedelta(seconds=timeout),
+        wait_for_workers=False,
+        multi_tenant=True,
+    )
+    if hosting:
+        _hosted_stores[(host, port)] = store
+    return store
+
+
 def advertise_host(master_host: str, configured: str | None) -> str:
     """The address peers reach this worker at: configured, or the local
     address that routes to the store (127.0.0.1 when the store is local)."""
     if configured:
         return configured
+    if master_host.startswith("file://"):
+        return "127.0.0.1"  # a file store names no host to route to: set advertise_host
     if master_host in ("localhost", "127.0.0.1", "::1") or master_host.startswith("127."):
         return "127.0.0.1"
     try:
@@ -91,21 +128,14 @@ class Rendezvous:
     def __init__(self, rank: int, world_size: int | None, host: str, port: int, timeout: float):
         self.rank = rank
         self.world_size = world_size
-        self.where = f"{host}:{port}"
+        self.where = host if host.startswith("file://") else f"{host}:{port}"
         self.timeout = timeout
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self.prefix = f"rrpc/{restart}/{next(_generations)}/"
         self._gone: set[int] = set()  # ranks found dead at a barrier: nobody waits for them
         self.hosting = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
         try:
-            self.store = dist.TCPStore(
-                host,
-                port,
-                world_size,
-                is_master=self.hosting,
-                timeout=timedelta(seconds=timeout),
-                wait_for_workers=False,
-            )
+            self.store = _open_store(host, port, world_size, self.hosting, timeout)
         except Exception as exc:
             raise RpcError(
                 f"rank {rank} cannot reach the rendezvous store at {self.where}: {exc}"
@@ -134,7 +164,7 @@ class Rendezvous:
         if self.store.add(f"{self.prefix}claim/{self.rank}", 1) > 1:
             raise RpcError(f"rank {self.rank} is claimed by more than one worker")
         if self.world_size is None and self.store.add(f"{self.prefix}name/{name}", 1) > 1:
-            raise RpcError(f"duplicate worker name {name!r}: another worker already joined with it")
+            raise RpcError(f"worker name {name!r} is not unique: another worker joined with it")
         self.store.set(f"{self.prefix}worker/{self.rank}", json.dumps([name, address, advertised]))
         self.store.set(f"{self.prefix}rank-of/{name}", str(self.rank))
         if self.world_size is None:
@@ -149,7 +179,7 @@ class Rendezvous:
         for duplicate, count in names.items():
             if count > 1:
                 ranks = [rank for rank, entry in enumerate(table) if entry[0] == duplicate]
-                raise RpcError(f"duplicate worker name {duplicate!r} used by ranks {ranks}")
+                raise RpcError(f"worker name {duplicate!r} is not unique: ranks {ranks} all use it")
         return [
             (WorkerInfo(entry[0], rank), entry[1], entry[2]) for rank, entry in enumerate(table)
         ]
