@@ -1,0 +1,1 @@
+"""``rrpc.nn.api``: where ``RemoteModule`` is defined (as ``torch.distributed.nn.api``)."""
