@@ -161,17 +161,22 @@ def test_special_shapes_and_views_arrive_with_their_values_and_shape(make):
     assert received.shape == tensor.shape
     assert received.dtype == tensor.dtype
     assert torch.equal(received, tensor.resolve_conj().resolve_neg())
-    # Only the bytes the tensor views travel, never its whole storage.
-    assert sum(len(piece) for piece in out.pieces[1:]) == tensor.numel() * tensor.element_size()
+    # As torch, a view arrives a view: same strides. Only the storage between
+    # its first and last element travels, never the whole storage.
+    assert received.stride() == tensor.stride()
+    layout = zip(tensor.shape, tensor.stride(), strict=True)
+    span = 1 + sum((size - 1) * stride for size, stride in layout)
+    assert sum(len(piece) for piece in out.pieces[1:]) <= span * tensor.element_size()
 
 
-def test_view_of_a_large_storage_sends_only_the_viewed_bytes():
+def test_view_of_a_large_storage_sends_only_the_viewed_bytes_contiguous():
     storage = torch.arange(1_000_000, dtype=torch.float32)  # 4 MB
     column = storage.view(1000, 1000)[:, 3]  # 1000 elements, stride 1000
     received, out = round_trip((column, storage[10:20]))
     assert [len(piece) for piece in out.pieces[1:]] == [4000, 40]
     assert out.size < 5000 + 40 + 1000  # envelope and pickle are small
     assert torch.equal(received[0], column)
+    assert received[0].is_contiguous()  # its span (~4 MB) is too large to keep its stride
     assert torch.equal(received[1], torch.arange(10, 20, dtype=torch.float32))
 
 

@@ -144,13 +144,19 @@ def _unknown_workers():
         try:
             rrpc.rpc_sync(to, _whoami)
             errors[repr(to)] = None
-        except ValueError as exc:
+        except RuntimeError as exc:  # as torch
             errors[repr(to)] = str(exc)
     try:
         rrpc.get_worker_info("nobody")
         errors["get_worker_info"] = None
-    except ValueError as exc:
+    except RuntimeError as exc:
         errors["get_worker_info"] = str(exc)
+    for to in (1.5, None):  # names no worker at all: ValueError, as torch
+        try:
+            rrpc.rpc_sync(to, _whoami)
+            errors[repr(to)] = None
+        except ValueError as exc:
+            errors[repr(to)] = type(exc).__name__
     errors["still serving"] = rrpc.rpc_sync("worker1", _whoami)
     return errors
 
@@ -170,13 +176,16 @@ def test_workers_are_addressed_by_name_rank_or_worker_info_including_self(cluste
     assert got["self async"] == "worker0"
 
 
-def test_unknown_worker_is_a_value_error_naming_it_and_the_known_workers(cluster):
+def test_unknown_worker_is_a_runtime_error_naming_it_and_the_known_workers(cluster):
     known = "(known workers: worker0, worker1, worker2)"
+    missing = "could not find destination worker"
     assert cluster.run(_unknown_workers) == {
-        "'nobody'": f"unknown worker 'nobody' {known}",
-        "7": f"unknown worker 7 {known}",
-        "WorkerInfo(id=9, name=ghost)": f"unknown worker WorkerInfo(id=9, name=ghost) {known}",
-        "get_worker_info": f"unknown worker 'nobody' {known}",
+        "'nobody'": f"{missing} 'nobody' {known}",
+        "7": f"{missing} 7 {known}",
+        "WorkerInfo(id=9, name=ghost)": f"{missing} WorkerInfo(id=9, name=ghost) {known}",
+        "get_worker_info": f"{missing} 'nobody' {known}",
+        "1.5": "ValueError",
+        "None": "ValueError",
         "still serving": "worker1",
     }
 

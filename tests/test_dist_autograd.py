@@ -405,17 +405,21 @@ def _error_in_remote_backward():
         ).sum()
         try:
             rrpc.autograd.backward(context_id, [loss])
-        except ValueError as error:
-            return str(error), getattr(error, "remote_traceback", "")
+        except RuntimeError as error:
+            return str(error), getattr(error, "remote_traceback", ""), len(repr(error.__notes__))
     return None
 
 
-def test_error_in_a_remote_backward_raises_its_type_on_the_caller(cluster, no_state_left_behind):
+def test_error_in_a_remote_backward_names_its_node_once_as_torch(cluster, no_state_left_behind):
     raised = cluster.run(_error_in_remote_backward)
     assert raised is not None, "backward did not raise"
-    message, remote_traceback = raised
-    assert "simulated error in the backward pass" in message
-    assert "_FailInBackward" in remote_traceback or "backward" in remote_traceback
+    message, remote_traceback, notes_size = raised
+    # torch's wording: RuntimeError("Error on Node N: ..."), N where the pass failed.
+    assert message == "Error on Node 2: simulated error in the backward pass"
+    assert 'raise ValueError("simulated error in the backward pass")' in remote_traceback
+    # The origin's traceback is attached once, not again at every hop back.
+    assert remote_traceback.count("Traceback (most recent call last)") == 2  # error and cause
+    assert notes_size < len(remote_traceback) + 200
 
 
 def _threads_with_their_own_contexts():
@@ -692,3 +696,19 @@ def test_send_records_keep_the_sent_tensors_until_release():
     table.release(theirs)
     hooks.on_send(theirs, peer, key, [t])  # late: ignored
     assert table.find(theirs) is None
+
+
+def _parameter_as_an_argument():
+    weight = torch.nn.Parameter(torch.arange(3.0))
+    with rrpc.autograd.context() as context_id:
+        loss = rrpc.rpc_sync("worker1", torch.mul, args=(weight, 2.0)).sum()
+        rrpc.autograd.backward(context_id, [loss])
+        grads = rrpc.autograd.get_gradients(context_id)
+        return grads.get(weight), weight.grad
+
+
+def test_an_nn_parameter_sent_as_an_argument_gets_its_gradient(cluster, no_state_left_behind):
+    # As torch: a Parameter is a tensor that requires grad like any other.
+    in_context, in_dot_grad = cluster.run(_parameter_as_an_argument)
+    assert torch.equal(in_context, torch.full((3,), 2.0))
+    assert in_dot_grad is None

@@ -512,7 +512,7 @@ def test_duplicate_worker_name_is_rejected_on_every_rank_naming_the_duplicate(se
     for rank in (0, 1):
         seen = setup_errors[rank]["duplicate"]
         assert seen.get("type") == "RpcError", seen
-        assert seen["message"] == "duplicate worker name 'twin' used by ranks [0, 1]"
+        assert seen["message"] == "worker name 'twin' is not unique: ranks [0, 1] all use it"
 
 
 def test_rendezvous_times_out_naming_the_ranks_that_never_joined(setup_errors):

@@ -46,7 +46,7 @@ def _unknown_in_dynamic_world(rank, world_size):
     rrpc.init_rpc(f"worker{rank}", rank=rank)
     try:
         rrpc.rpc_sync("nobody", torch.add, args=(1, 1))
-    except ValueError as error:
+    except RuntimeError as error:
         message = str(error)
     rrpc.shutdown()
     return message
@@ -55,4 +55,4 @@ def _unknown_in_dynamic_world(rank, world_size):
 def test_a_name_nobody_joined_with_is_a_clear_error_in_a_dynamic_world():
     with WorkerGroup(_unknown_in_dynamic_world, 1, init=False) as group:
         [message] = group.wait(110)
-    assert "unknown worker 'nobody'" in message
+    assert "could not find destination worker 'nobody'" in message

@@ -733,3 +733,48 @@ def test_owner_memory_stays_flat_over_100000_remote_and_drop_cycles():
     )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "OK: the owner's memory stayed flat" in run.stdout
+
+
+def _keywords(x, *, mode=0, timeout=0, method="", rref=None):
+    return x, mode, timeout, method, rref
+
+
+class Keywords:
+    def call(self, x, **kwargs):
+        return _keywords(x, **kwargs)
+
+
+def _proxy_keywords_named_like_the_proxys_own():
+    rref = rrpc.remote("worker1", Keywords)
+    kwargs = {"mode": 1, "timeout": 2, "method": "m", "rref": "r"}
+    return (
+        rref.rpc_sync().call(0, **kwargs),
+        rref.rpc_async().call(0, **kwargs).wait(),
+        rref.remote().call(0, **kwargs).to_here(),
+    )
+
+
+def test_proxy_methods_take_keywords_named_mode_timeout_method_or_rref(
+    cluster, no_rrefs_left_behind
+):
+    assert cluster.run(_proxy_keywords_named_like_the_proxys_own) == ((0, 1, 2, "m", "r"),) * 3
+
+
+def _missing_method_through_each_proxy():
+    rref = rrpc.remote("worker1", Box, args=(0,))
+    raised = {}
+    for mode in ("rpc_sync", "rpc_async", "remote"):
+        try:
+            result = getattr(rref, mode)().no_such_method()
+            if mode == "rpc_async":
+                result.wait()
+        except AttributeError as error:
+            raised[mode] = str(error)
+    return raised
+
+
+def test_a_missing_method_raises_attribute_error_through_every_proxy(cluster, no_rrefs_left_behind):
+    # As torch: remote() raises at the call, the others when their result is read.
+    raised = cluster.run(_missing_method_through_each_proxy)
+    assert set(raised) == {"rpc_sync", "rpc_async", "remote"}
+    assert all("has no attribute 'no_such_method'" in message for message in raised.values())
