@@ -553,7 +553,7 @@ class Agent:
             request_id,
             RpcTimeoutError(
                 f"{pending.what} on {pending.peer.name} timed out after {limit:g} s "
-                f"(called from {self.info.name})"
+                f"(called from {self.info.name}): RPC ran for more than its timeout"
             ),
         )
 

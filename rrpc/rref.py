@@ -484,7 +484,9 @@ def _wait(future: torch.futures.Future, timeout: float, what: str) -> Any:
         event = threading.Event()
         on_done(future, lambda _: event.set())
         if not event.wait(timeout or None):
-            raise RpcTimeoutError(f"{what} timed out after {timeout:g} s")
+            raise RpcTimeoutError(
+                f"{what} timed out after {timeout:g} s: RPC ran for more than its timeout"
+            )
     return _result(future)
 
 
@@ -575,7 +577,7 @@ class RRef(Generic[T]):
         elif time.monotonic() > self._deadline:
             raise RpcTimeoutError(
                 f"remote() creating {self!r} on {self._owner.name} was not confirmed by its "
-                "owner within its timeout"
+                "owner within its timeout: RPC ran for more than its timeout"
             )
 
     # -- Identity ----------------------------------------------------------------
