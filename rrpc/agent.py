@@ -38,7 +38,14 @@ import grpc
 import torch
 
 from rrpc import codec, messages, shm, transport
-from rrpc.futures import Future, mark_transport_thread, on_done, settle
+from rrpc.futures import (
+    Future,
+    blocking,
+    mark_transport_thread,
+    on_done,
+    set_blocking_hooks,
+    settle,
+)
 from rrpc.messages import (
     ERROR,
     REPLY,
@@ -119,8 +126,10 @@ class SyncReply:
         self._arrived.release()
 
     def wait_done(self, timeout: float) -> bool:
-        if not self._arrived.acquire(timeout=-1 if timeout == math.inf else max(0.0, timeout)):
-            return False
+        if not self._arrived.acquire(blocking=False):
+            limit = -1 if timeout == math.inf else max(0.0, timeout)
+            if not blocking(self._arrived.acquire, True, limit):
+                return False
         self._arrived.release()
         return True
 
@@ -185,14 +194,23 @@ def rebuild_remote_exception(payload: tuple) -> BaseException:
 
 
 class _WorkerPool:
-    """Fixed threads running incoming requests; a bare queue keeps submit cheap.
+    """Threads running incoming requests; a bare queue keeps submit cheap.
 
     At most ``size`` requests run at once, counting those a stream's reader
     runs itself (``run_inline``): a permit per running request, so that
     ``num_worker_threads=1`` still means one user function at a time, in the
-    order the requests came."""
+    order the requests came.
+
+    A request that blocks waiting for an RPC of its own (``rpc_sync``, a
+    Future's ``wait``) gives its permit back while it waits
+    (``futures.blocking``), and a thread is added if none is idle: a chain of
+    nested calls deeper than ``size`` completes instead of deadlocking. Such
+    extra threads end after ``_EXTRA_IDLE`` seconds without work."""
+
+    _EXTRA_IDLE = 5.0
 
     def __init__(self, size: int, name: str):
+        self._name = name
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._permits: queue.SimpleQueue = queue.SimpleQueue()
         for _ in range(size):
@@ -201,15 +219,26 @@ class _WorkerPool:
         # while they differ, a task is on its way and nothing may overtake it.
         self._submits, self._starts = itertools.count(1), itertools.count(1)
         self._submitted = self._started = 0
-        self._threads = [
-            threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(size)
-        ]
-        for thread in self._threads:
-            thread.start()
+        self._lock = threading.Lock()
+        self._idle = 0  # threads waiting for a task
+        self._blocked = 0  # requests waiting for an RPC, their permit given back
+        self._hooks = (self._release_while_blocked, self._take_back)
+        self._threads = [self._start_thread(f"{name}-{i}", extra=False) for i in range(size)]
+
+    def _start_thread(self, name: str, extra: bool) -> threading.Thread:
+        thread = threading.Thread(target=self._run, args=(extra,), name=name, daemon=True)
+        thread.start()
+        return thread
 
     def submit(self, fn: Callable[..., None], *args: Any) -> None:
         self._submitted = next(self._submits)
-        self._tasks.put((fn, args))
+        if not self._blocked:
+            self._tasks.put((fn, args))
+            return
+        with self._lock:  # an extra thread may be about to end: see _run
+            self._tasks.put((fn, args))
+            if self._idle == 0:
+                self._add_thread()
 
     def run_inline(self, fn: Callable[..., None], *args: Any) -> bool:
         """Run ``fn(*args)`` on this thread if a permit is free and no task
@@ -223,8 +252,23 @@ class _WorkerPool:
         self._execute(permit, fn, args)
         return True
 
-    def _run(self) -> None:
-        while (task := self._tasks.get()) is not None:
+    def _run(self, extra: bool) -> None:
+        timeout = self._EXTRA_IDLE if extra else None
+        while True:
+            with self._lock:
+                self._idle += 1
+            try:
+                task = self._tasks.get(timeout=timeout)
+            except queue.Empty:
+                with self._lock:
+                    if self._tasks.empty():  # submit() puts under this lock meanwhile
+                        self._idle -= 1
+                        return
+                task = self._tasks.get()
+            with self._lock:
+                self._idle -= 1
+            if task is None:
+                return
             fn, args = task
             permit = self._permits.get()
             self._started = next(self._starts)
@@ -234,18 +278,40 @@ class _WorkerPool:
             del task, fn, args
 
     def _execute(self, permit: Any, fn: Callable[..., None], args: tuple) -> None:
+        previous = set_blocking_hooks(self._hooks)
         try:
             fn(*args)
         except BaseException:
             log.exception("rrpc: a request handler failed outside its own error handling")
         finally:
+            set_blocking_hooks(previous)
             self._permits.put(permit)
 
+    def _add_thread(self) -> None:
+        """With ``_lock`` held: one more thread, counted idle from now on."""
+        self._idle += 1  # so that a burst of submits starts one thread, not many
+        thread = self._start_thread(f"{self._name}-extra", extra=True)
+        self._threads.append(thread)
+        self._idle -= 1  # the thread counts itself in _run
+
+    def _release_while_blocked(self) -> None:
+        self._permits.put(True)
+        with self._lock:
+            self._blocked += 1
+            if self._idle == 0 and not self._tasks.empty():
+                self._add_thread()
+
+    def _take_back(self) -> None:
+        with self._lock:
+            self._blocked -= 1
+        self._permits.get()
+
     def stop(self, timeout: float) -> None:
-        for _ in self._threads:
+        threads = list(self._threads)
+        for _ in threads:
             self._tasks.put(None)
         deadline = time.monotonic() + timeout
-        for thread in self._threads:
+        for thread in threads:
             if thread is not threading.current_thread():
                 thread.join(max(0.0, deadline - time.monotonic()))
 

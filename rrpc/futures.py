@@ -40,6 +40,8 @@ _IDLE_EXIT = 30.0  # seconds an idle callback thread waits before it ends
 
 class _Marks(threading.local):
     transport = False
+    # (give back, take back): set while a worker-pool thread runs a request.
+    blocking_hooks: tuple[Callable[[], None], Callable[[], None]] | None = None
 
 
 _marks = _Marks()
@@ -52,6 +54,27 @@ def mark_transport_thread() -> None:
 
 def on_transport_thread() -> bool:
     return _marks.transport
+
+
+def set_blocking_hooks(hooks: Any) -> Any:
+    """Set the calling thread's blocking hooks (see ``blocking``); returns the previous."""
+    previous, _marks.blocking_hooks = _marks.blocking_hooks, hooks
+    return previous
+
+
+def blocking(wait: Callable[..., Any], *args: Any) -> Any:
+    """``wait(*args)``, a wait for an RPC's reply. On a thread that runs a
+    request, the request's worker permit is given back meanwhile, so that
+    nested calls deeper than ``num_worker_threads`` cannot deadlock."""
+    hooks = _marks.blocking_hooks
+    if hooks is None:
+        return wait(*args)
+    give_back, take_back = hooks
+    give_back()
+    try:
+        return wait(*args)
+    finally:
+        take_back()
 
 
 class _CallbackPool:
@@ -142,7 +165,7 @@ class Future(torch.futures.Future):
         cannot see the cycle: every frame of the raising stack (and any RRef in
         them) would stay alive for good."""
         try:
-            return read(self)
+            return read(self) if self.done() else blocking(read, self)
         except BaseException as kept:
             kept.__traceback__ = None
             error = copy_error(kept)

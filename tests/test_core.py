@@ -597,3 +597,28 @@ def test_async_execution_replies_when_the_future_completes_and_frees_the_worker_
     assert results["failed future"] == ("KeyError", "'missing-key'")
     assert results["not a future"][0] == "TypeError"
     assert "_not_a_future is marked async_execution but returned int" in results["not a future"][1]
+
+
+def _bounce(depth, x):
+    """Call the other worker, which calls back, ``depth`` times: each worker
+    holds about depth / 2 requests blocked in rpc_sync at the deepest point."""
+    if depth == 0:
+        return x
+    me = rrpc.get_worker_info().id
+    return rrpc.rpc_sync(1 - me, _bounce, args=(depth - 1, x + 1), timeout=20)
+
+
+def _nested_deeper_than_the_pool(rank, world_size):
+    if rank != 0:
+        return None
+    sync = rrpc.rpc_sync("worker1", _bounce, args=(9, 0), timeout=30)
+    futures = [rrpc.rpc_async("worker1", _bounce, args=(7, i), timeout=30) for i in range(3)]
+    return sync, [future.wait() for future in futures]
+
+
+def test_nested_calls_deeper_than_num_worker_threads_complete():
+    # A request blocked in an RPC of its own gives its worker permit back
+    # meanwhile, so the pool bounds running functions, never waiting ones.
+    options = rrpc.RpcBackendOptions(num_worker_threads=2)
+    results = run_workers(_nested_deeper_than_the_pool, 2, backend_options=options, timeout=90)
+    assert results[0] == (9, [7, 8, 9])
