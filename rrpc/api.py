@@ -6,10 +6,11 @@ Arguments are checked here, once; everything else happens in the agent.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import enum
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ class BackendType(enum.Enum):
 
 _lock = threading.Lock()
 _rendezvous: Rendezvous | None = None
+_thread_local_var = threading.local()  # future_list: see _wait_all
 
 
 def init_rpc(
@@ -72,9 +74,10 @@ def init_rpc(
             f"torch's), not {backend!r}"
         )
     options = rpc_backend_options or RpcBackendOptions()
+    if backend is None and type(options) is not RpcBackendOptions:
+        # torch infers the backend from the options' exact class
+        raise TypeError(f"Could not infer backend for options {options!r}")
     if not isinstance(options, RpcBackendOptions):
-        if backend is None:  # torch infers the backend from the options' class
-            raise TypeError(f"Could not infer backend for options {options!r}")
         raise TypeError(
             "Argument rpc_backend_options must be an instance of RpcBackendOptions "
             f"(rrpc.RpcBackendOptions), not {type(options).__name__}"
@@ -214,7 +217,31 @@ def rpc_async(
         fut = rrpc.rpc_async("worker1", torch.add, args=(torch.ones(2), 3))
         fut.wait()  # tensor([4., 4.])
     """
-    return _send_call(to, func, args, kwargs, timeout, sync=False)
+    future = _send_call(to, func, args, kwargs, timeout, sync=False)
+    collected = getattr(_thread_local_var, "future_list", None)
+    if collected is not None:
+        collected.append(future)
+    return future
+
+
+@contextlib.contextmanager
+def _wait_all() -> Iterator[None]:
+    """Wait, when the block ends, for every future ``rpc_async`` returned in it
+    (torch's private helper of the same name).
+
+    Example::
+
+        with rrpc.api._wait_all():
+            rrpc.rpc_async("worker1", torch.add, args=(torch.ones(2), 1))
+    """
+    _thread_local_var.future_list = []
+    try:
+        yield
+    finally:
+        try:
+            torch.futures.wait_all(_thread_local_var.future_list)
+        finally:
+            del _thread_local_var.future_list
 
 
 def rpc_sync(

@@ -49,12 +49,13 @@ def callable_name(func: Any) -> str:
     return getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
 
 
-def async_result_error(func: Any, result: Any) -> TypeError | None:
+def async_result_error(func: Any, result: Any) -> RuntimeError | None:
     """The error for an ``async_execution`` function that did not return a
     Future (``.then()`` returns a plain ``torch._C.Future``, which counts)."""
     if isinstance(result, torch._C.Future):
         return None
-    return TypeError(
-        f"{callable_name(func)} is marked async_execution but returned "
-        f"{type(result).__name__}, not a torch.futures.Future"
+    return RuntimeError(  # torch's wording first
+        "Functions decorated with @rpc.async_function must return a torch.futures.Future "
+        f"object, but got {type(result).__name__}: {callable_name(func)} is marked "
+        "async_execution"
     )

@@ -28,6 +28,7 @@ import copy
 import logging
 import queue
 import threading
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -78,8 +79,12 @@ def blocking(wait: Callable[..., Any], *args: Any) -> Any:
 
 
 class _CallbackPool:
-    """Threads for user callbacks: one is started whenever none is idle, and
-    an idle one ends after ``_IDLE_EXIT`` seconds."""
+    """Threads for user callbacks: a task goes to an idle thread, or to a new
+    one when none is idle (so a callback that blocks on another callback's
+    work cannot deadlock), and an idle thread ends after ``_IDLE_EXIT`` s.
+
+    ``_idle`` counts idle threads not yet promised a task: ``submit`` takes
+    one (and queues the task) under the lock, or starts a thread for it."""
 
     def __init__(self) -> None:
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
@@ -89,34 +94,32 @@ class _CallbackPool:
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> None:
         with self._lock:
-            start = self._idle == 0
-            if start:
-                self._idle += 1  # counted now, so a burst starts one thread per task
-            else:
-                self._idle -= 1  # this task takes one idle thread
-        self._tasks.put((fn, args))
-        if start:
-            name = f"rrpc-callback-{next(self._names)}"
-            threading.Thread(target=self._run, name=name, daemon=True).start()
+            if self._idle > 0:
+                self._idle -= 1
+                self._tasks.put((fn, args))
+                return
+        name = f"rrpc-callback-{next(self._names)}"
+        threading.Thread(target=self._run, args=((fn, args),), name=name, daemon=True).start()
 
-    def _run(self) -> None:
+    def _run(self, task: tuple[Callable[..., Any], tuple] | None) -> None:
         while True:
-            try:
-                fn, args = self._tasks.get(timeout=_IDLE_EXIT)
-            except queue.Empty:
-                with self._lock:
-                    if self._idle > 0 and self._tasks.empty():
-                        self._idle -= 1
-                        return
-                continue
-            try:
-                fn(*args)
-            except BaseException:
-                log.exception("rrpc: a future's callback raised")
-            finally:
-                del fn, args
-                with self._lock:
-                    self._idle += 1
+            if task is not None:
+                fn, args = task
+                try:
+                    fn(*args)
+                except BaseException:
+                    log.exception("rrpc: a future's callback raised")
+                del task, fn, args
+            with self._lock:
+                self._idle += 1
+            while task is None:
+                try:
+                    task = self._tasks.get(timeout=_IDLE_EXIT)
+                except queue.Empty:
+                    with self._lock:
+                        if self._tasks.empty():  # no task promised to an idle thread waits
+                            self._idle -= 1
+                            return
 
 
 callbacks = _CallbackPool()
@@ -138,13 +141,28 @@ class Future(torch.futures.Future):
     _has_user_callbacks = False
 
     def then(self, callback: Callable[[Any], Any]) -> Future:
+        if not callable(callback):
+            raise TypeError(
+                f"then(): incompatible function arguments: the callback must be callable, "
+                f"not {callback!r}"
+            )
         child = Future()
 
         def chain(parent: Any) -> None:
             try:
                 result = callback(parent)
             except BaseException as exc:
-                child.set_exception(exc)
+                # As torch: a RuntimeError that names the callback's error. Its
+                # traceback goes as text: frames kept by the child would hold it.
+                error = f"{type(exc).__name__}: {exc}"
+                where = "".join(traceback.format_tb(exc.__traceback__))
+                del exc
+                child.set_exception(
+                    RuntimeError(
+                        f"Got the following error when running the callback: {error}\n\n"
+                        f"At:\n{where}"
+                    )
+                )
                 return
             child.set_result(result)
 

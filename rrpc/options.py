@@ -77,6 +77,13 @@ class RpcBackendOptions:
     device_maps: dict[str, dict[Any, Any]] | None = None
 
     def __post_init__(self) -> None:
+        for name in ("rpc_timeout", "init_timeout", "batch_delay", "rref_delete_delay"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(  # torch's wording
+                    f"incompatible constructor arguments: {name} must be a number of seconds, "
+                    f"not {type(value).__name__}"
+                )
         if self.num_worker_threads < 1:
             raise ValueError(f"num_worker_threads must be >= 1, got {self.num_worker_threads}")
         if self.rpc_timeout < 0:

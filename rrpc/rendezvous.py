@@ -42,6 +42,8 @@ def resolve_world(
     """Rank, world size (None: dynamic membership) and store address, from the
     arguments or the environment torchrun sets."""
     if rank is None:
+        if init_method != "env://":  # torch's wording for each init method
+            raise ValueError(f"rank parameter missing: pass rank= to init_rpc ({init_method})")
         rank = _env_int("RANK", "rank")
     if world_size is None and os.environ.get("WORLD_SIZE") is not None:
         world_size = _env_int("WORLD_SIZE", "world_size")
@@ -75,7 +77,10 @@ def resolve_world(
 def _env_int(variable: str, argument: str) -> int:
     value = os.environ.get(variable)
     if value is None:
-        raise ValueError(f"pass {argument}= to init_rpc or set {variable} (torchrun sets it)")
+        raise ValueError(
+            f"environment variable {variable} expected: pass {argument}= to init_rpc or set "
+            f"{variable} (torchrun sets it)"
+        )
     return int(value)
 
 
@@ -163,6 +168,13 @@ class Rendezvous:
         (WorkerInfo, address, what it advertised)."""
         if self.store.add(f"{self.prefix}claim/{self.rank}", 1) > 1:
             raise RpcError(f"rank {self.rank} is claimed by more than one worker")
+        mode, other = ("dynamic", "static") if self.world_size is None else ("static", "dynamic")
+        self.store.set(f"{self.prefix}{mode}", "1")
+        if self.store.check([f"{self.prefix}{other}"]):
+            raise RpcError(  # torch's wording
+                "RPC group mixes statically and dynamically initialized members which is not "
+                f"supported: rank {self.rank} joins as {mode}, others as {other}"
+            )
         if self.world_size is None and self.store.add(f"{self.prefix}name/{name}", 1) > 1:
             raise RpcError(f"worker name {name!r} is not unique: another worker joined with it")
         self.store.set(f"{self.prefix}worker/{self.rank}", json.dumps([name, address, advertised]))

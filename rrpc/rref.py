@@ -68,7 +68,7 @@ from rrpc.functions import (
     callable_name,
     is_async_execution,
 )
-from rrpc.futures import Future, copy_error, on_done
+from rrpc.futures import Future, copy_error, on_done, settle
 from rrpc.messages import (
     CALL,
     RREF_ACCEPT,
@@ -119,7 +119,7 @@ class _Context:
         # Forks received from a non-owner, until the owner answers their FORK:
         # a message that brought one runs only then (as in torch).
         self.confirmations: dict[ForkId, torch.futures.Future] = {}
-        self._ids = itertools.count(1)
+        self._ids = itertools.count(0)  # local ids from 0, as torch's
         # DELETEs held back (see the rules): owner rank -> forks, and when the
         # oldest of them was dropped. Only the sender thread touches these.
         self.delete_delay = agent.options.rref_delete_delay
@@ -509,7 +509,17 @@ class RRef(Generic[T]):
         box.rpc_sync().forward(torch.ones(3))            # runs on worker1
     """
 
-    __slots__ = ("_ctx", "_id", "_fork", "_owner", "_future", "_creation", "_deadline", "_type")
+    __slots__ = (
+        "_ctx",
+        "_id",
+        "_fork",
+        "_owner",
+        "_future",
+        "_creation",
+        "_confirmed_at",
+        "_deadline",
+        "_type",
+    )
 
     _ctx: _Context | None
     _id: RRefId
@@ -517,6 +527,7 @@ class RRef(Generic[T]):
     _owner: WorkerInfo
     _future: torch.futures.Future | None  # the value, on the owner
     _creation: torch.futures.Future | None  # remote(): answered when the owner counted it
+    _confirmed_at: list[float]  # remote(): [when that answer came] (inf until then)
     _deadline: float  # remote()'s timeout for that answer
     _type: type | None
 
@@ -538,6 +549,7 @@ class RRef(Generic[T]):
         self._owner = owner
         self._future = future
         self._creation = None
+        self._confirmed_at = [math.inf]
         self._deadline = math.inf
         self._type = None
 
@@ -566,7 +578,9 @@ class RRef(Generic[T]):
         return ctx
 
     def _check_created(self) -> None:
-        """Raise remote()'s error if the owner refused the CREATE or did not answer in time."""
+        """Raise remote()'s error if the owner refused the CREATE, or did not
+        confirm it within remote()'s timeout (then for good, as in torch, even
+        if the confirmation came later)."""
         creation = self._creation
         if creation is None or self._fork is None:
             return
@@ -574,11 +588,20 @@ class RRef(Generic[T]):
             error = _outcome(creation)[1]
             if error is not None:
                 raise copy_error(error)
-        elif time.monotonic() > self._deadline:
-            raise RpcTimeoutError(
-                f"remote() creating {self!r} on {self._owner.name} was not confirmed by its "
-                "owner within its timeout: RPC ran for more than its timeout"
-            )
+            confirmed_at = self._confirmed_at[0]
+            if confirmed_at == math.inf:  # answered just now: its callbacks are under way
+                confirmed_at = time.monotonic()
+            if confirmed_at <= self._deadline:
+                return
+        elif time.monotonic() <= self._deadline:
+            return
+        raise self._creation_timeout()
+
+    def _creation_timeout(self) -> RpcTimeoutError:
+        return RpcTimeoutError(
+            f"RRef creation of {self!r} on {self._owner.name} timed out: remote() was not "
+            "confirmed by its owner within its timeout (RPC ran for more than its timeout)"
+        )
 
     # -- Identity ----------------------------------------------------------------
     def owner(self) -> WorkerInfo:
@@ -610,10 +633,10 @@ class RRef(Generic[T]):
     def local_value(self) -> T:
         """The value itself; only on the owner. Waits while ``remote()`` creates it."""
         if self._fork is not None:
-            raise RuntimeError(
-                f"local_value() of {self!r}: this worker ({self._live_context().agent.info.name}) "
-                f"holds a user RRef; the value lives on {self._owner.name}. Call local_value() "
-                "there, or to_here() for a copy"
+            here = self._live_context().agent.info
+            raise RuntimeError(  # torch's wording, then what to do
+                f"For {self._torch_name()}, can't call localValue() on user {here!r}. "
+                f"Call it on owner {self._owner!r}, or to_here() for a copy"
             )
         assert self._future is not None
         return _wait(self._future, 0, "local_value()")
@@ -662,17 +685,39 @@ class RRef(Generic[T]):
         _sync_result(_call_on_owner(self, _backward_on_owner, args, UNSET_RPC_TIMEOUT, sync=True))
 
     def _get_future(self) -> torch.futures.Future:
-        """The future of this RRef's creation on its owner (remote()); for
-        ``RRef(value)``, a completed one."""
-        if self._creation is not None:
-            return self._creation
+        """The future of this RRef's creation on its owner (remote()): it fails
+        when remote()'s timeout passes first. For ``RRef(value)``, a completed one."""
         future = Future()
-        future.set_result(None)
+        creation = self._creation
+        if creation is None:
+            future.set_result(None)
+            return future
+        deadline = self._deadline
+        if creation.done() or deadline == math.inf:
+            on_done(
+                creation,
+                functools.partial(_creation_outcome, future, self._confirmed_at, deadline, None),
+            )
+            return future
+        error = self._creation_timeout()
+        timer = threading.Timer(max(0.0, deadline - time.monotonic()), _fail_once, (future, error))
+        timer.daemon = True
+        timer.start()
+        on_done(
+            creation,
+            functools.partial(_creation_outcome, future, self._confirmed_at, deadline, error),
+        )
         return future
 
     def _get_type(self, timeout: float = UNSET_RPC_TIMEOUT, blocking: bool = True) -> Any:
         """The type of the value (asked of the owner once, then cached); with
         ``blocking=False``, a Future of it."""
+        if self._type is None and self._fork is not None and not blocking:
+            # As torch: the owner's answer (or error, or timeout) comes in the Future.
+            future = Future()
+            call = _call_on_owner(self, _type_of, (), timeout)
+            on_done(call, functools.partial(_cache_type, self, future))
+            return future
         if self._type is None:
             if self._fork is None:
                 self._type = type(self.local_value())
@@ -721,6 +766,16 @@ class RRef(Generic[T]):
         codec.on_discard(functools.partial(_undo_fork, ctx, self._id, self._fork, child))
         return _rebuild, (self._id, self._owner.id, child)
 
+    def __str__(self) -> str:  # torch's format
+        if self._fork is None:
+            return f"OwnerRRef({_unique_id(self._id)})"
+        return f"UserRRef(RRefId = {_unique_id(self._id)}, ForkId = {_unique_id(self._fork)})"
+
+    def _torch_name(self) -> str:
+        if self._fork is None:
+            return f"OwnerRRef(rref_id={_unique_id(self._id)})"
+        return f"UserRRef(rref_id={_unique_id(self._id)}, fork_id={_unique_id(self._fork)})"
+
     def __repr__(self) -> str:
         if self._fork is None:
             return f"OwnerRRef(rref_id={format_id(self._id)}, owner={self._owner.name})"
@@ -728,6 +783,50 @@ class RRef(Generic[T]):
             f"UserRRef(rref_id={format_id(self._id)}, fork_id={format_id(self._fork)}, "
             f"owner={self._owner.name})"
         )
+
+
+def _cache_type(rref: RRef, future: torch.futures.Future, call: torch.futures.Future) -> None:
+    value, error = _outcome(call)
+    if error is None:
+        rref._type = value
+    settle(future, value, error)
+
+
+def _note_time(when: list[float], _: Any) -> None:
+    when[0] = time.monotonic()
+
+
+def _fail_once(future: torch.futures.Future, error: BaseException) -> None:
+    if not future.done():
+        try:
+            settle(future, error=error)
+        except RuntimeError:
+            pass  # completed meanwhile
+
+
+def _creation_outcome(
+    future: torch.futures.Future,
+    confirmed_at: list[float],
+    deadline: float,
+    timeout_error: BaseException | None,
+    creation: torch.futures.Future,
+) -> None:
+    """``_get_future``'s future from remote()'s CREATE answer: its error, a
+    timeout if it came after remote()'s deadline, or None."""
+    error = _outcome(creation)[1]
+    if error is None and confirmed_at[0] > deadline:
+        error = timeout_error
+    if error is not None:
+        _fail_once(future, error)
+    elif not future.done():
+        try:
+            settle(future, None)
+        except RuntimeError:
+            pass  # the timer failed it meanwhile
+
+
+def _unique_id(unique_id: tuple[int, int]) -> str:
+    return f"GloballyUniqueId(created_on={unique_id[0]}, local_id={unique_id[1]})"
 
 
 def _undo_fork(ctx: _Context, rref_id: RRefId, fork_id: ForkId | None, child: ForkId) -> None:
@@ -929,6 +1028,7 @@ def remote(
     rref = RRef._make(ctx, rref_id, fork_id, peer, None)
     rref._creation = creation
     rref._deadline = time.monotonic() + timeout if timeout else math.inf
+    on_done(creation, functools.partial(_note_time, rref._confirmed_at))
     on_done(creation, functools.partial(ctx.on_created, rref_id, fork_id, peer.id))
     return rref
 
