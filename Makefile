@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: venv test test-slow demo bench lint proto clean
+.PHONY: venv test test-slow demo bench lint proto clean conformance
 
 venv: $(STAMP)
 
@@ -34,6 +34,12 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench.py
+
+# torch's own RPC test suites on torch and on rrpc (conformance/__init__.py);
+# e.g. CONFORMANCE_ARGS="--suite dist_optimizer --framework rrpc".
+CONFORMANCE_ARGS ?=
+conformance: $(STAMP)
+	$(PY) -m conformance $(CONFORMANCE_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
