@@ -569,6 +569,7 @@ class Agent:
                     attach=self._attachments.tensor,
                     batch_delay=self.options.batch_delay,
                     batch_min_open=self.options.batch_min_open,
+                    peer_timeout=self.options.peer_timeout,
                 )
                 self._connections[peer.id] = connection
                 self._opened.append(connection)

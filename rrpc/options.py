@@ -46,6 +46,10 @@ class RpcBackendOptions:
         rref_delete_delay: seconds a worker gathers the deletes of dropped user
             RRefs before it sends them to their owner, as one message per owner
             (env ``RRPC_DELETE_DELAY``; 0: each drop goes at once).
+        peer_timeout: seconds within which a peer that stopped answering (frozen,
+            partitioned, its socket still open) fails every call pending on it
+            (env ``RRPC_PEER_TIMEOUT``): a keepalive ping every half of it, and a
+            ping unanswered for the other half ends the stream.
         run_inline: let the thread that read a lone request run it instead of
             handing it to a pool thread (env ``RRPC_INLINE``).
         tls_cert_file / tls_key_file / tls_ca_file: PEM files; when all are set,
@@ -69,6 +73,7 @@ class RpcBackendOptions:
     batch_delay: float = field(default_factory=lambda: _env_float("RRPC_BATCH_DELAY", 300e-6))
     batch_min_open: int = 16
     run_inline: bool = field(default_factory=lambda: _env_flag("RRPC_INLINE", True))
+    peer_timeout: float = field(default_factory=lambda: _env_float("RRPC_PEER_TIMEOUT", 8.0))
     rref_delete_delay: float = field(default_factory=lambda: _env_float("RRPC_DELETE_DELAY", 5e-3))
     tls_cert_file: str | None = field(default_factory=lambda: os.environ.get("RRPC_TLS_CERT"))
     tls_key_file: str | None = field(default_factory=lambda: os.environ.get("RRPC_TLS_KEY"))
@@ -77,7 +82,13 @@ class RpcBackendOptions:
     device_maps: dict[str, dict[Any, Any]] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("rpc_timeout", "init_timeout", "batch_delay", "rref_delete_delay"):
+        for name in (
+            "rpc_timeout",
+            "init_timeout",
+            "batch_delay",
+            "rref_delete_delay",
+            "peer_timeout",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(  # torch's wording
@@ -94,6 +105,8 @@ class RpcBackendOptions:
             raise ValueError(
                 f"rref_delete_delay must be in [0, 1] seconds, got {self.rref_delete_delay}"
             )
+        if self.peer_timeout < 1.0:
+            raise ValueError(f"peer_timeout must be >= 1 second, got {self.peer_timeout}")
         if self.chunk_size < 4096:
             raise ValueError(f"chunk_size must be >= 4096 bytes, got {self.chunk_size}")
 

@@ -54,23 +54,32 @@ SERVICE = "rrpc.Worker"
 METHOD = f"/{SERVICE}/Exchange"
 _CLOSE = object()  # queued to end a stream's sending side
 
-_CHANNEL_OPTIONS = [
-    # Our packets are bounded by chunk_size; gRPC's own limits must not bite.
-    ("grpc.max_send_message_length", -1),
-    ("grpc.max_receive_message_length", -1),
-    # Notice a peer that vanished without closing its socket (partition, power loss).
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-    # Each Connection gets its own TCP connection, not one shared by all channels.
-    ("grpc.use_local_subchannel_pool", 1),
-]
+def _channel_options(peer_timeout: float) -> list[tuple[str, int]]:
+    """A frozen or cut-off peer (its socket still open) is noticed within
+    ``peer_timeout`` seconds: a keepalive ping every half of it, and the
+    stream fails when a ping goes unanswered for the other half."""
+    half_ms = max(500, int(peer_timeout * 500))
+    return [
+        # Our packets are bounded by chunk_size; gRPC's own limits must not bite.
+        ("grpc.max_send_message_length", -1),
+        ("grpc.max_receive_message_length", -1),
+        ("grpc.keepalive_time_ms", half_ms),
+        ("grpc.keepalive_timeout_ms", half_ms),
+        ("grpc.http2.ping_timeout_ms", half_ms),  # left at its default, keepalive never fires
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        # Each Connection gets its own TCP connection, not one shared by all channels.
+        ("grpc.use_local_subchannel_pool", 1),
+    ]
+
+
 _SERVER_OPTIONS = [
     ("grpc.max_send_message_length", -1),
     ("grpc.max_receive_message_length", -1),
     ("grpc.so_reuseport", 0),
-    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    # Accept the callers' keepalive pings (as often as every 0.5 s) without a GOAWAY.
+    ("grpc.http2.min_ping_interval_without_data_ms", 500),
+    ("grpc.http2.max_ping_strikes", 0),
     ("grpc.keepalive_permit_without_calls", 1),
 ]
 
@@ -238,15 +247,17 @@ class Connection:
         attach: Callable[[Any], Any] | None = None,
         batch_delay: float = 0.0,
         batch_min_open: int = 0,
+        peer_timeout: float = 8.0,
     ):
         self.peer_name = peer_name
         self.closed = False  # set once the stream has ended, before on_close runs
         self.error: BaseException | None = None  # why it ended, when it failed
         self._outbox = Outbox(packet_size, batch_delay, batch_min_open)
+        options = _channel_options(peer_timeout)
         if credentials is None:
-            self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+            self._channel = grpc.insecure_channel(address, options=options)
         else:
-            self._channel = grpc.secure_channel(address, credentials, options=_CHANNEL_OPTIONS)
+            self._channel = grpc.secure_channel(address, credentials, options=options)
         stream = self._channel.stream_stream(METHOD)
         self._call = stream(self._outbox.packets(), metadata=metadata)
         self._on_frame = on_frame

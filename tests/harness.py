@@ -209,6 +209,12 @@ class WorkerGroup:
             # reads as end-of-file here.
             writer.close()
 
+    def send_signal(self, rank: int, sig: int) -> None:
+        """Send `sig` to `rank` and return (SIGSTOP / SIGCONT: it stays a member)."""
+        process = self.processes[rank]
+        if process.pid is not None and process.exitcode is None:
+            os.kill(process.pid, sig)
+
     def kill(self, rank: int, sig: int = signal.SIGKILL) -> None:
         """Send `sig` to `rank` and wait for it to die; wait() then expects it dead."""
         process = self.processes[rank]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import threading
@@ -550,3 +551,55 @@ def test_pickle_of_the_two_arg_error_really_fails_to_load():
     # Guards the premise of the RemoteError test above.
     with pytest.raises(TypeError):
         pickle.loads(pickle.dumps(_TwoArgError("E7", "the detail")))
+
+
+# -- A peer freezes (SIGSTOP) ----------------------------------------------------
+
+
+def _call_the_peer_that_freezes(rank, world_size, ready, frozen, measured, resumed, done):
+    rrpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size)
+    if rank != 0:
+        assert done.wait(120)
+        rrpc.shutdown()
+        return None
+    pending = [rrpc.rpc_async("worker1", _block_until_killed) for _ in range(2)]
+    started = lambda: rrpc.rpc_sync("worker1", _count_started) == 2  # noqa: E731
+    _wait_for(started, 30, "two calls running on worker1")
+    ready.set()
+    assert frozen.wait(60)
+    frozen_at = time.monotonic()
+    seen = {"pending": [], "survivor": _outcome(rrpc.rpc_sync, "worker2", _whoami)}
+    for future in pending:
+        outcome = _outcome(future.wait)
+        outcome["after"] = time.monotonic() - frozen_at
+        seen["pending"].append(outcome)
+    seen["survivor after"] = _outcome(rrpc.rpc_sync, "worker2", _whoami)
+    measured.set()
+    assert resumed.wait(60)
+    seen["after resume"] = _outcome(rrpc.rpc_sync, "worker1", _whoami, timeout=20)
+    done.set()
+    rrpc.shutdown()
+    return seen
+
+
+@pytest.mark.timeout(180)
+def test_a_frozen_peer_fails_pending_calls_within_ten_seconds_and_is_usable_after_resume():
+    ready, frozen, measured, resumed, done = (mp_context.Event() for _ in range(5))
+    args = (ready, frozen, measured, resumed, done)
+    with WorkerGroup(_call_the_peer_that_freezes, 3, args=args, init=False) as group:
+        assert ready.wait(60), "worker0 never reported its calls as started"
+        group.send_signal(1, signal.SIGSTOP)
+        frozen.set()
+        try:
+            measured.wait(60)  # worker0 saw its pending calls end (or gave up)
+        finally:
+            group.send_signal(1, signal.SIGCONT)
+            resumed.set()
+        seen = group.wait(timeout=90)[0]
+    assert seen["survivor"]["value"] == "worker2"
+    for outcome in seen["pending"]:
+        assert outcome["type"] == "PeerUnavailableError", outcome
+        assert "worker1" in outcome["message"]
+        assert outcome["after"] < 10.0, outcome
+    assert seen["survivor after"]["value"] == "worker2"
+    assert seen["after resume"]["value"] == "worker1"
