@@ -161,9 +161,19 @@ def _read_frames(
     for packet in packets:
         frames = reader.feed(packet)
         del packet
-        while frames:
+        for frame in _taken(frames):
             outbox.received += 1
-            on_frame(frames.pop(0))
+            on_frame(frame)
+        frame = frames = None  # type: ignore[assignment]
+
+
+def _taken(frames: list[codec.Frame]) -> Iterator[codec.Frame]:
+    """Each frame in order, its slot cleared as it is handed out (linear time;
+    ``pop(0)`` made a packet of N frames cost N²), so none stays referenced."""
+    for index, frame in enumerate(frames):
+        frames[index] = None  # type: ignore[call-overload]
+        yield frame
+        del frame
 
 
 class _TakeTurns:
@@ -214,8 +224,9 @@ class _TakeTurns:
                 return self._end(exc)
             self._outbox.received += len(frames)
             last = frames.pop() if frames else None
-            while frames:
-                self._on_frame(frames.pop(0), False)
+            for frame in _taken(frames):
+                self._on_frame(frame, False)
+            frame = frames = None  # type: ignore[assignment]
             with self._guard:
                 inline = self._waiting > 0
             self._turn.release()

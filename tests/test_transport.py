@@ -1,5 +1,7 @@
 """The stream's sending side (``transport.Outbox``): batching, lingering, ending."""
 
+import weakref
+
 import pytest
 
 from rrpc import codec, options, transport
@@ -144,3 +146,25 @@ def test_a_malformed_packet_ends_the_stream_with_its_error():
     assert seen == [("a", True)]
     with pytest.raises(codec.ProtocolError):
         list(outbox.packets())
+
+
+def test_a_packet_of_many_frames_is_handed_out_in_order_without_keeping_any():
+    # One packet of 20,000 tiny frames (a flood from one peer): each frame is
+    # handed out once, in order, and the reader keeps no reference to it
+    # afterwards (pop(0) on the list made such a packet cost N squared).
+    frames = [b"".join(bytes(p) for p in codec.encode(10, i, i).pieces) for i in range(20_000)]
+    outbox = transport.Outbox(1 << 20)
+    seen: list[int] = []
+    previous: list[weakref.ref] = []
+    held: list[int] = []
+
+    def on_frame(frame: codec.Frame) -> None:
+        if previous and previous[0]() is not None:
+            held.append(frame.envelope.request_id)  # the frame before is still referenced
+        seen.append(frame.envelope.request_id)
+        previous[:] = [weakref.ref(frame)]
+
+    transport._read_frames(iter([b"".join(frames)]), codec.FrameReader(), on_frame, outbox)
+    assert seen == list(range(20_000))
+    assert outbox.received == 20_000
+    assert held == []
