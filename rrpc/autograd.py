@@ -16,7 +16,12 @@ Theory of operation
   the recv nodes reachable from the roots (found by walking
   ``grad_fn.next_functions``); it runs the leaves' AccumulateGrad hooks, so DDP
   averages gradients as usual (see ``_gradients``). Leaf
-  gradients accumulate in the context. The gradients that reached recv nodes go,
+  gradients accumulate in the context. DDP writes a bucket's average into
+  each of its parameters once the last one is ready, which may be in a later
+  pass on this worker than the one that reached the others: what a pass
+  writes into the ``.grad`` of a leaf an earlier pass of the context reached
+  replaces that leaf's gradient in the context (torch's DDP does the same to
+  torch's context). The gradients that reached recv nodes go,
   one AUTOGRAD_BACKWARD message per message key, to the senders; each sender
   runs a local pass from the tensors of its send record, which may reach its
   own recv nodes: further hops. A worker answers an AUTOGRAD_BACKWARD only when
@@ -254,8 +259,30 @@ class RecvRpc(torch.autograd.Function):
 _RecvNode = RecvRpc._backward_cls
 
 
+def _dummy(tensor: torch.Tensor) -> torch.Tensor:
+    """The leaf that collects a recv node's gradient, of ``tensor``'s shape and
+    dtype, with (nearly) no memory of its own."""
+    layout = tensor.layout
+    if layout is torch.strided or layout is torch.sparse_coo:
+        # Autograd accepts a sparse COO gradient for a strided input.
+        return torch.empty_strided(tensor.shape, (0,) * tensor.dim(), dtype=tensor.dtype)
+    # A compressed layout's gradient must have its layout: an empty one (no elements).
+    if layout is torch.sparse_csr or layout is torch.sparse_bsr:
+        compressed, plain = tensor.crow_indices(), tensor.col_indices()
+    else:
+        compressed, plain = tensor.ccol_indices(), tensor.row_indices()
+    batch = compressed.dim() - 1
+    return torch.sparse_compressed_tensor(
+        torch.zeros_like(compressed),
+        plain.narrow(batch, 0, 0),
+        tensor.values().narrow(batch, 0, 0),
+        tensor.shape,
+        layout=layout,
+    )
+
+
 def _receive(context_id: int, key: MessageKey, index: int, peer: WorkerInfo, tensor: torch.Tensor):
-    dummy = torch.empty_strided(tensor.shape, (0,) * tensor.dim(), dtype=tensor.dtype)
+    dummy = _dummy(tensor)
     with torch.enable_grad():  # decoding may run on a thread in no_grad mode
         return RecvRpc.apply(dummy.requires_grad_(), tensor, context_id, key, index, peer)
 
@@ -291,25 +318,39 @@ grad_lock = threading.Lock()
 
 
 def _gradients(
-    outputs: list[torch.Tensor], grads: list[torch.Tensor], inputs: list[torch.Tensor]
-) -> list[torch.Tensor | None]:
-    """The gradients of ``inputs`` from ``outputs``, leaving their ``.grad`` as it was.
+    outputs: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    inputs: list[torch.Tensor],
+    earlier: Sequence[torch.Tensor] = (),
+) -> tuple[list[torch.Tensor | None], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The gradients of ``inputs`` from ``outputs``, leaving their ``.grad`` as it was,
+    and the gradients the pass wrote for ``earlier`` leaves (not inputs).
 
     Not ``torch.autograd.grad``: that skips the inputs' AccumulateGrad nodes,
     and with them the hooks on those nodes, which is where DDP's reducer
     averages gradients across replicas. ``backward(inputs=...)`` runs them
     (DDP's final callback included); the ``.grad`` it fills is moved out and
     the previous one put back, so gradients still land only in the context.
+
+    ``earlier``: leaves whose gradients an earlier pass of the context took.
+    Their ``.grad`` is borrowed too (None during the pass): DDP's final
+    callback writes a bucket's average into every parameter of the bucket,
+    and a bucket may span parameters that earlier passes reached.
     """
     with grad_lock:
-        saved = [tensor.grad for tensor in inputs]
+        borrowed = [*inputs, *earlier]
+        saved = [tensor.grad for tensor in borrowed]
         try:
-            for tensor in inputs:
+            for tensor in borrowed:
                 tensor.grad = None
             torch.autograd.backward(outputs, grads, retain_graph=True, inputs=inputs)
-            return [tensor.grad for tensor in inputs]
+            rewritten: list[tuple[torch.Tensor, torch.Tensor]] = []
+            for leaf in earlier:
+                if leaf.grad is not None:
+                    rewritten.append((leaf, leaf.grad))
+            return [tensor.grad for tensor in inputs], rewritten
         finally:
-            for tensor, grad in zip(inputs, saved, strict=True):
+            for tensor, grad in zip(borrowed, saved, strict=True):
                 tensor.grad = grad
 
 
@@ -326,12 +367,16 @@ def _local_pass(
     inputs = leaves + dummies
     if not inputs:
         return []
+    inputs_here = {id(tensor) for tensor in leaves}
+    earlier = [leaf for leaf in context.gradient_leaves() if id(leaf) not in inputs_here]
     try:
-        results = _gradients(outputs, grads, inputs)
+        results, rewritten = _gradients(outputs, grads, inputs, earlier)
     except Exception as exc:
         # As torch: the error names the worker where the pass failed, once,
         # however many hops it travels back.
         raise RuntimeError(f"Error on Node {agent.info.id}: {exc}") from exc
+    for leaf, average in rewritten:  # as DDP in torch's context: the average replaces
+        context.replace(leaf, average)
     for leaf, grad in zip(leaves, results[: len(leaves)], strict=True):
         if grad is not None:
             context.accumulate(leaf, grad)

@@ -22,7 +22,8 @@ Rules
 - Once released, a context id is remembered (a bounded list): a late message in
   it (an RPC left in flight when the ``with`` block ended) creates no state that
   nobody would release. Ids this worker created are never re-created.
-- Gradients of leaves accumulate here (``gradients``), never in ``.grad``.
+- Gradients of leaves accumulate here (``gradients``), never in ``.grad``;
+  DDP's average of one replaces it (``replace``).
 
 Locks: the table's lock guards the id -> context map; each context's lock
 guards its records, which several threads may touch at once (the transport's
@@ -84,6 +85,15 @@ class Context:
         with self.lock:
             previous = self.gradients.get(leaf)
             self.gradients[leaf] = grad if previous is None else previous + grad
+
+    def replace(self, leaf: torch.Tensor, grad: torch.Tensor) -> None:
+        """Set ``leaf``'s gradient (a DDP average of it)."""
+        with self.lock:
+            self.gradients[leaf] = grad
+
+    def gradient_leaves(self) -> list[torch.Tensor]:
+        with self.lock:
+            return list(self.gradients)
 
     def gradients_copy(self) -> dict[torch.Tensor, torch.Tensor]:
         with self.lock:

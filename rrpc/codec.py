@@ -11,7 +11,11 @@ Rules:
 - The payload is pickle protocol 5. Each CPU tensor in it is reduced to an
   out-of-band ``PickleBuffer`` over the tensor's own memory, so its bytes are
   never copied through pickle; the transport writes those buffers next to the
-  payload. A view of a larger storage sends only the bytes it views.
+  payload. A view of a larger storage sends only the bytes it views. A
+  sparse tensor (COO, CSR, CSC, BSR, BSC) travels as its parts (indices and
+  values, each such a buffer) with its size, layout and COO coalesced flag;
+  it is rebuilt with its invariants checked, and requires grad as it did.
+  Other layouts and quantized tensors go in band, through torch's pickling.
 - Code the receiver cannot import (lambdas, closures, functions of
   ``__main__`` when the receiver runs another script) is pickled by value with
   cloudpickle; everything else goes by reference through the C pickler, which
@@ -220,12 +224,71 @@ def _rebuild_parameter(buffer: Any, dtype_index: int, shape: tuple, requires_gra
     return torch.nn.Parameter(tensor, requires_grad=requires_grad)
 
 
+# Sparse layouts travel as their parts: each part a strided tensor (out of band, as above).
+_COMPRESSED_LAYOUTS = [torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc]
+
+
+def _rebuild_sparse(
+    layout_index: int,
+    parts: tuple,
+    shape: tuple,
+    coalesced: bool,
+    requires_grad: bool,
+    parameter: bool,
+) -> torch.Tensor:
+    """A sparse tensor from its parts; ``layout_index`` -1 is COO, else an index
+    into ``_COMPRESSED_LAYOUTS``. The parts are checked (indices in bounds,
+    the coalesced flag true), as a corrupt sparse tensor crashes the process."""
+    if layout_index < 0:
+        indices, values = parts
+        tensor = torch.sparse_coo_tensor(
+            indices, values, shape, is_coalesced=coalesced, check_invariants=True
+        )
+    else:
+        compressed, plain, values = parts
+        tensor = torch.sparse_compressed_tensor(
+            compressed, plain, values, shape,
+            layout=_COMPRESSED_LAYOUTS[layout_index], check_invariants=True,
+        )  # fmt: skip
+    if parameter and not (requires_grad and _state.tensor_hook is not None):
+        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
+    return _with_grad(tensor, requires_grad)
+
+
+def _reduce_sparse(pickler: Any, obj: torch.Tensor, parameter: bool) -> Any:
+    layout = obj.layout
+    if layout is torch.sparse_coo:
+        layout_index = -1
+    elif layout in _COMPRESSED_LAYOUTS:
+        layout_index = _COMPRESSED_LAYOUTS.index(layout)
+    else:
+        return NotImplemented  # torch's own pickling, in band
+    if not obj.is_cpu:
+        obj = obj.cpu()
+    requires_grad = obj.requires_grad
+    if requires_grad and pickler.grad_tensors is not None:
+        pickler.grad_tensors.append(obj)  # the parts below do not require grad
+    plain = obj.detach()
+    coalesced = False
+    if layout_index < 0:
+        parts: tuple = (plain._indices(), plain._values())
+        coalesced = plain.is_coalesced()
+    elif layout in (torch.sparse_csr, torch.sparse_bsr):
+        parts = (plain.crow_indices(), plain.col_indices(), plain.values())
+    else:
+        parts = (plain.ccol_indices(), plain.row_indices(), plain.values())
+    shape = tuple(obj.shape)
+    return _rebuild_sparse, (layout_index, parts, shape, coalesced, requires_grad, parameter)
+
+
 def _reduce_tensor(pickler: Any, obj: Any) -> Any:
     kind = type(obj)
     if kind is not torch.Tensor and kind is not torch.nn.Parameter:
         return NotImplemented
+    if obj.layout != torch.strided:
+        return _reduce_sparse(pickler, obj, kind is torch.nn.Parameter)
     dtype_index = DTYPE_INDEX.get(obj.dtype)
-    if dtype_index is None or obj.layout != torch.strided or obj.is_quantized:
+    if dtype_index is None or obj.is_quantized:
         return NotImplemented  # torch's own pickling, in band
     if not obj.is_cpu:
         obj = obj.cpu()

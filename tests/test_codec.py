@@ -360,3 +360,90 @@ def test_pickled_tensor_outside_rrpc_still_loads():
     assert len(buffers) == 1
     rebuilt = pickle.loads(payload, buffers=[bytes(b.raw()) for b in buffers])
     assert torch.equal(rebuilt, torch.arange(5))
+
+
+# -- sparse tensors --------------------------------------------------------------
+
+
+def _sparse_coo(coalesce: bool, requires_grad: bool = False) -> torch.Tensor:
+    # Index (1, 0) twice: uncoalesced unless coalesced.
+    indices = torch.tensor([[0, 1, 1, 1], [2, 0, 2, 0]])
+    values = torch.tensor([3.25, 4.5, 5.75, -1.0])
+    tensor = torch.sparse_coo_tensor(indices, values, (3, 3))
+    if coalesce:
+        tensor = tensor.coalesce()
+    return tensor.requires_grad_(requires_grad)
+
+
+@pytest.mark.parametrize("coalesce", [False, True], ids=["uncoalesced", "coalesced"])
+def test_sparse_coo_tensor_travels_as_indices_and_values_out_of_band(coalesce):
+    tensor = _sparse_coo(coalesce)
+    received, out = round_trip(tensor)
+    assert received.layout is torch.sparse_coo
+    assert received.is_coalesced() is coalesce
+    assert torch.equal(received._indices(), tensor._indices())  # the parts as they were
+    assert torch.equal(received._values(), tensor._values())
+    assert received.shape == tensor.shape
+    assert len(out.pieces) == 3  # payload, indices, values
+
+
+def test_hybrid_sparse_tensor_keeps_its_dense_dimensions():
+    tensor = torch.arange(24.0).reshape(2, 3, 4).to_sparse(sparse_dim=1)
+    received, _ = round_trip(tensor)
+    assert received.sparse_dim() == 1 and received.dense_dim() == 2
+    assert torch.equal(received.to_dense(), tensor.to_dense())
+
+
+@pytest.mark.parametrize("layout", ["csr", "csc", "bsr", "bsc"])
+def test_compressed_sparse_layouts_travel_as_their_parts(layout):
+    # A batch of two, with the same number of elements in each (as compressed layouts need).
+    dense = (torch.arange(32.0).reshape(2, 4, 4) + 1) * (torch.arange(16).reshape(4, 4) % 3 == 0)
+    blocksize = (2, 2) if layout.startswith("b") else None
+    tensor = dense.to_sparse(layout=getattr(torch, f"sparse_{layout}"), blocksize=blocksize)
+    received, out = round_trip(tensor)
+    assert received.layout is tensor.layout
+    assert torch.equal(received.to_dense(), dense)
+    assert len(out.pieces) == 4  # compressed indices, plain indices, values
+
+
+def test_sparse_tensor_keeps_requires_grad_and_parameter_type():
+    received, out = round_trip([_sparse_coo(True, requires_grad=True), _sparse_coo(False)])
+    assert received[0].requires_grad and not received[1].requires_grad
+    assert len(out.grad_tensors) == 1
+    parameter = torch.nn.Parameter(_sparse_coo(True))
+    received, _ = round_trip(parameter)
+    assert type(received) is torch.nn.Parameter and received.requires_grad
+    assert torch.equal(received.detach().to_dense(), parameter.detach().to_dense())
+
+
+def test_sparse_and_dense_tensors_requiring_grad_reach_autograd_in_pickling_order():
+    dense, sparse = torch.ones(2, requires_grad=True), _sparse_coo(True, requires_grad=True)
+    message = [dense, {"sparse": sparse}, torch.zeros(2), dense * 2]
+    out = codec.encode(CALL, 1, message)
+    layouts = [torch.strided, torch.sparse_coo, torch.strided]
+    assert [tensor.layout for tensor in out.grad_tensors] == layouts
+    (frame,) = FrameReader().feed(b"".join(bytes(piece) for piece in out.pieces))
+    seen = []
+
+    def hook(tensor):
+        seen.append(tensor.layout)
+        return tensor.requires_grad_()
+
+    received = codec.loads(frame, tensor_hook=hook)
+    assert seen == layouts
+    assert received[1]["sparse"].requires_grad and not received[2].requires_grad
+
+
+class _CorruptSparse:
+    """Pickles as a sparse tensor whose index 7 is out of bounds for its size 3."""
+
+    def __reduce__(self):
+        indices, values = torch.tensor([[0, 7]]), torch.tensor([1.0, 2.0])
+        return codec._rebuild_sparse, (-1, (indices, values), (3,), False, False, False)
+
+
+def test_sparse_tensor_with_out_of_bounds_indices_is_rejected_not_built():
+    out = codec.encode(CALL, 1, _CorruptSparse())
+    (frame,) = FrameReader().feed(b"".join(bytes(piece) for piece in out.pieces))
+    with pytest.raises(SerializationError, match="index 7"):
+        codec.loads(frame, peer="worker3")

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import rrpc
-from harness import Cluster, mp_context, run_workers
+from harness import Cluster, free_port, mp_context, run_workers
 from rrpc.autograd_context import ContextTable
 from rrpc.messages import AUTOGRAD_BACKWARD, WorkerInfo
 
@@ -516,6 +516,145 @@ def test_context_ids_carry_the_creator_rank_in_the_top_16_bits(cluster, no_state
     ids, remote = cluster.run(_context_ids)
     assert len(set(ids)) == 3 and all(i >> 48 == 0 and i > 0 for i in ids)
     assert remote >> 48 == 2
+
+
+# -- Sparse tensors ------------------------------------------------------------
+def _sparse(seed, coalesce):
+    generator = torch.Generator().manual_seed(seed)
+    indices = torch.tensor([[0, 1, 1, 2, 1], [2, 0, 2, 1, 0]])  # (1, 0) twice
+    values = torch.rand(5, generator=generator)
+    tensor = torch.sparse_coo_tensor(indices, values, (3, 3), check_invariants=True)
+    return (tensor.coalesce() if coalesce else tensor).requires_grad_()
+
+
+def _sparse_scale(x, factor):
+    return x * factor
+
+
+def _embedding_bag_sparse(weight, indices, offsets):
+    return torch.nn.functional.embedding_bag(indices, weight, offsets, sparse=True)
+
+
+def _sparse_round_trips():
+    # Sparse tensors out (worker0 -> worker1 -> worker2) and a sparse result
+    # back; a dense weight whose gradient comes back sparse (embedding_bag).
+    t1, t2 = _sparse(1, coalesce=False), _sparse(2, coalesce=True)
+    (weight,) = _inputs((5, 3))
+    indices, offsets = torch.tensor([1, 2, 4, 4, 0]), torch.tensor([0, 3])
+    with rrpc.autograd.context() as context_id:
+        total = rrpc.rpc_sync("worker1", torch.add, args=(t1, t2))
+        scaled = rrpc.rpc_sync(
+            "worker1", rrpc.rpc_sync, args=("worker2", _sparse_scale, (total, 3.0))
+        )
+        bags = rrpc.rpc_sync("worker2", _embedding_bag_sparse, args=(weight, indices, offsets))
+        loss = torch.sparse.sum(scaled * t1) + (bags**2).sum()
+        rrpc.autograd.backward(context_id, [loss])
+        grads = rrpc.autograd.get_gradients(context_id)
+        distributed = [grads[t1], grads[t2], grads[weight]]
+    local_loss = (
+        torch.sparse.sum(((t1 + t2) * 3.0) * t1)
+        + (_embedding_bag_sparse(weight, indices, offsets) ** 2).sum()
+    )
+    local = torch.autograd.grad(local_loss, [t1, t2, weight])
+    return distributed, list(local)
+
+
+def test_sparse_tensors_and_sparse_gradients_equal_local_ones(cluster, no_state_left_behind):
+    distributed, local = cluster.run(_sparse_round_trips)
+    for actual, expected in zip(distributed, local, strict=True):
+        assert actual.layout is torch.sparse_coo and expected.layout is torch.sparse_coo
+        assert torch.equal(actual.coalesce().to_dense(), expected.coalesce().to_dense())
+
+
+# -- Gradients that travel nowhere ---------------------------------------------
+def _unused_rpc_result():
+    t1, t2 = _inputs((3, 3), (3, 3))
+    with rrpc.autograd.context() as context_id:
+        rrpc.rpc_sync("worker1", torch.add, args=(t1, t2))  # its result is never used
+        rrpc.autograd.backward(context_id, [(t1 * t2).sum()])
+        grads = rrpc.autograd.get_gradients(context_id)
+        distributed = [grads[t1], grads[t2]]
+    return distributed, list(torch.autograd.grad((t1 * t2).sum(), [t1, t2]))
+
+
+def test_backward_returns_when_an_rpc_result_is_unused(cluster, no_state_left_behind):
+    # torch's FAST mode waits forever for the gradient of the unused result
+    # (its own test asserts the hang); rrpc returns the gradients of what was used.
+    distributed, local = cluster.run(_unused_rpc_result)
+    assert_each_close(distributed, local, atol=0)
+
+
+class _SameGradientTwice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        return a + b
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, grad  # one tensor, for both inputs
+
+
+def _one_gradient_tensor_for_two_leaves():
+    a, b = _inputs((2, 3), (2, 3))
+    with rrpc.autograd.context() as context_id:
+        y = rrpc.rpc_sync("worker1", torch.mul, args=(_SameGradientTwice.apply(a, b), 2.0))
+        rrpc.autograd.backward(context_id, [y.sum()])
+        grads = rrpc.autograd.get_gradients(context_id)
+        grads[a].add_(1)  # the reader owns what it got: b's gradient does not change
+        return grads[a].data_ptr() != grads[b].data_ptr(), grads[b]
+
+
+def test_leaves_given_one_gradient_tensor_get_gradients_of_their_own(cluster, no_state_left_behind):
+    separate, b_gradient = cluster.run(_one_gradient_tensor_for_two_leaves)
+    assert separate
+    assert torch.equal(b_gradient, torch.full((2, 3), 2.0))
+
+
+# -- DDP over several local passes ---------------------------------------------
+class _TwoLocalStages(torch.nn.Module):
+    """fc1 here, tanh on worker2, fc2 here: backward reaches fc2 in one local
+    pass and fc1 in a later one (when worker2 sends the gradient of fc1's output)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(3, 4)
+        self.fc2 = torch.nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.fc2(rrpc.rpc_sync("worker2", torch.tanh, args=(self.fc1(x),)))
+
+
+def _ddp_trainer(rank, world_size, port):
+    if rank == 2:  # serves tanh
+        return None
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2
+    )
+    try:
+        torch.manual_seed(0)
+        module = _TwoLocalStages()
+        ddp = torch.nn.parallel.DistributedDataParallel(module)  # one bucket: fc1 and fc2
+        x = torch.rand((5, 3), generator=torch.Generator().manual_seed(rank + 1))
+        params = list(module.parameters())
+        with rrpc.autograd.context() as context_id:
+            rrpc.autograd.backward(context_id, [(ddp(x) ** 2).sum()])
+            grads = rrpc.autograd.get_gradients(context_id)
+            distributed = [grads[param] for param in params]
+        leaked = [param.grad for param in params if param.grad is not None]
+        local_loss = (module.fc2(torch.tanh(module.fc1(x))) ** 2).sum()
+        local = torch.autograd.grad(local_loss, params)
+        return distributed, list(local), leaked
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_ddp_averages_a_bucket_whose_parameters_two_local_passes_reach():
+    results = run_workers(_ddp_trainer, world_size=3, args=(free_port(),))
+    (dist0, local0, leaked0), (dist1, local1, leaked1) = results[:2]
+    assert leaked0 == [] and leaked1 == [], "gradients leaked into .grad"
+    average = [(g0 + g1) / 2 for g0, g1 in zip(local0, local1, strict=True)]
+    assert_each_close(dist0, average)
+    assert_each_close(dist1, average)
 
 
 # -- A worker dies during backward ---------------------------------------------
