@@ -65,7 +65,6 @@ SUBSET: tuple[str, ...] = (
     "DistAutogradTest.test_backward_autograd_engine_error",
     "DistAutogradTest.test_error_in_context",
     "DistAutogradTest.test_grad_copy_sparse_indices_extra_ref",
-    "DistAutogradTest.test_no_grad_copy",
     "TensorPipeAgentDistAutogradTest.test_backward_simple_sparse",
     "DistAutogradTest.test_backward_python_udf_error",
     # dist_optimizer

@@ -54,6 +54,7 @@ SERVICE = "rrpc.Worker"
 METHOD = f"/{SERVICE}/Exchange"
 _CLOSE = object()  # queued to end a stream's sending side
 
+
 def _channel_options(peer_timeout: float) -> list[tuple[str, int]]:
     """A frozen or cut-off peer (its socket still open) is noticed within
     ``peer_timeout`` seconds: a keepalive ping every half of it, and the
