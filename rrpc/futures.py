@@ -109,7 +109,7 @@ class _CallbackPool:
                     fn(*args)
                 except BaseException:
                     log.exception("rrpc: a future's callback raised")
-                del task, fn, args
+                task = fn = args = None  # type: ignore[assignment]
             with self._lock:
                 self._idle += 1
             while task is None:

@@ -1,0 +1,95 @@
+"""rrpc.futures without processes: where callbacks run, and torch's semantics of then()."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from rrpc import futures
+from rrpc.futures import Future
+
+
+def _on_a_transport_thread(fn, *args):
+    """Run fn on a thread marked as one the transport needs (a stream's reader)."""
+    result = {}
+
+    def run():
+        futures.mark_transport_thread()
+        result["thread"] = threading.current_thread()
+        fn(*args)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(10)
+    return result["thread"]
+
+
+def test_callbacks_of_a_future_completed_on_a_transport_thread_run_elsewhere_every_time():
+    # 200 completions in a row: each callback runs, none on the transport thread.
+    for i in range(200):
+        future = Future()
+        ran_on = []
+        child = future.then(
+            lambda fut, seen=ran_on: seen.append(threading.current_thread()) or fut.value()
+        )
+        transport = _on_a_transport_thread(futures.settle, future, i)
+        assert child.wait() == i
+        assert ran_on and ran_on[0] is not transport
+
+
+def test_a_callback_may_wait_for_work_that_another_callback_does():
+    # The first callback blocks until the second has run: with a fixed number
+    # of callback threads this could deadlock; the pool adds a thread instead.
+    first, second = Future(), Future()
+    handoff = threading.Event()
+    chained = first.then(lambda fut: handoff.wait(10) and fut.value() + 1)
+    second.add_done_callback(lambda fut: handoff.set())
+    _on_a_transport_thread(futures.settle, first, 1)
+    _on_a_transport_thread(futures.settle, second, 2)
+    assert chained.wait() == 2
+
+
+def test_a_callback_on_a_user_thread_runs_right_there_as_in_torch():
+    future = Future()
+    future.set_result(3)
+    seen = []
+    future.add_done_callback(lambda fut: seen.append(threading.current_thread()))
+    assert seen == [threading.current_thread()]
+
+
+def test_an_error_in_a_then_callback_is_torchs_runtime_error_naming_it():
+    plain, ours = torch.futures.Future(), Future()
+    children = [f.then(lambda fut: fut.value() + "text") for f in (plain, ours)]
+    plain.set_result(1)
+    ours.set_result(1)
+    messages = []
+    for child in children:
+        with pytest.raises(RuntimeError) as error:
+            child.wait()
+        messages.append(str(error.value).splitlines()[0])
+    assert (
+        messages[0]
+        == messages[1]
+        == (
+            "Got the following error when running the callback: TypeError: unsupported operand "
+            "type(s) for +: 'int' and 'str'"
+        )
+    )
+
+
+def test_then_needs_a_callable_as_in_torch():
+    with pytest.raises(TypeError, match="incompatible function arguments"):
+        Future().then(None)
+
+
+def test_wait_raises_a_copy_of_the_error_so_the_future_holds_no_frame():
+    future = Future()
+    future.set_exception(ValueError("boom"))
+    raised = []
+    for _ in range(2):
+        with pytest.raises(ValueError, match="boom") as error:
+            future.wait()
+        raised.append(error.value)
+    assert raised[0] is not raised[1]
