@@ -22,6 +22,7 @@ an atomic counter). ``_connect_lock`` guards opening a peer's stream once.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
@@ -397,6 +398,8 @@ class Agent:
         self.shm_pool = shm.SenderPool() if options.shared_memory else None
         self._attachments = shm.Attachments()
         self._shm_peers: dict[int, shm.Placer] = {}  # rank -> our pool, bound to its pid
+        # rank -> maps that peer's segments, and only its (see shm's rules)
+        self._shm_sources: dict[int, Callable[[Any], torch.Tensor]] = {}
         # Ranks that run our __main__ script: its functions go to them by name.
         self._same_main: set[int] = set()
         self._pool = _WorkerPool(options.num_worker_threads, f"rrpc-{name}")
@@ -408,7 +411,7 @@ class Agent:
             options.chunk_size,
             options.max_message_size,
             self._server_credentials,
-            attach=self._attachments.tensor,
+            attach=self._attach_from,
             batch_delay=options.batch_delay,
             batch_min_open=options.batch_min_open,
         )
@@ -416,8 +419,24 @@ class Agent:
 
     def advertisement(self) -> dict[str, Any]:
         """What peers need to know of this worker besides its address."""
-        probe = self.shm_pool.probe.name if self.shm_pool is not None else ""
-        return {"host": shm.host_key(), "probe": probe, "main": codec.main_fingerprint()}
+        pool = self.shm_pool
+        return {
+            "host": shm.host_key(),
+            "probe": pool.probe.name if pool is not None else "",
+            "shm_key": pool.key.hex() if pool is not None else "",
+            "main": codec.main_fingerprint(),
+        }
+
+    def _attach_from(self, rank: int, shared: Any) -> torch.Tensor:
+        """A tensor over a shared-memory slot that peer ``rank`` sent on its
+        stream: only in that peer's own pool (see shm's rules)."""
+        attach = self._shm_sources.get(rank)
+        if attach is None and rank not in self._peers_by_rank and self.lookup is not None:
+            self._learn(rank)  # a worker that joined after this one
+            attach = self._shm_sources.get(rank)
+        if attach is None:
+            raise ValueError(f"rank {rank} sent a shared-memory buffer but shares no memory here")
+        return attach(shared)
 
     # -- Peers -----------------------------------------------------------------
     def add_peer(self, info: WorkerInfo, address: str, advertised: dict[str, Any]) -> None:
@@ -426,14 +445,13 @@ class Agent:
         self._addresses[info.id] = address
         if advertised.get("main") and advertised["main"] == codec.main_fingerprint():
             self._same_main.add(info.id)
-        if (
-            self.shm_pool is not None
-            and advertised.get("probe")
-            and advertised.get("host") == shm.host_key()
-            and self._attachments.can_open(advertised["probe"])
-        ):
-            pid = int(advertised["probe"].split("/")[0])
-            self._shm_peers[info.id] = self.shm_pool.towards(pid)
+        probe, key = advertised.get("probe", ""), advertised.get("shm_key", "")
+        if probe and key and advertised.get("host") == shm.host_key():
+            pid, key_bytes = int(probe.split("/")[0]), bytes.fromhex(key)
+            if self._attachments.can_open(probe, key_bytes):
+                self._shm_sources[info.id] = self._attachments.bind(pid, key_bytes)
+                if self.shm_pool is not None:
+                    self._shm_peers[info.id] = self.shm_pool.towards(pid)
 
     def worker_info(self, to: Any) -> WorkerInfo:
         """Resolve a name, a rank or a WorkerInfo to a known worker.
@@ -566,7 +584,7 @@ class Agent:
                     max_message_size=self.options.max_message_size,
                     peer_name=peer.name,
                     credentials=self._channel_credentials,
-                    attach=self._attachments.tensor,
+                    attach=functools.partial(self._attach_from, peer.id),
                     batch_delay=self.options.batch_delay,
                     batch_min_open=self.options.batch_min_open,
                     peer_timeout=self.options.peer_timeout,

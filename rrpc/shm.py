@@ -21,14 +21,23 @@ Rules:
 - The path is used only towards peers that proved they can open this
   worker's segments (``probe``); anything else, or a full pool, falls back
   to the stream. ``shared_memory=False`` (env ``RRPC_SHM=0``) turns it off.
+- A descriptor is never trusted as it comes off the wire. A receiver maps a
+  segment only for the peer whose stream it came on (``Attachments.bind``),
+  only in the process that peer advertised (the pid of its probe), only if
+  the segment's header carries that peer's pool key (16 random bytes, in
+  every segment of the pool and in its probe), and only within the slot's
+  bounds. A frame naming anything else (another process's open file, another
+  peer's pool) ends that stream before anything is mapped or unpickled.
 """
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import threading
 import weakref
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -36,6 +45,7 @@ import torch
 from rrpc._proto.rrpc_pb2 import SharedBuffer
 
 HEADER = 64
+KEY = slice(16, 32)  # where a segment's header holds its pool's key
 MAGIC = b"rrpc-shm-probe\x00\x00"
 _PAGE = mmap.PAGESIZE
 
@@ -54,13 +64,14 @@ def host_key() -> str:
 class _Segment:
     __slots__ = ("fd", "capacity", "map", "array", "name", "holder")
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, key: bytes):
         self.fd = os.memfd_create("rrpc-shm", os.MFD_CLOEXEC)
         os.ftruncate(self.fd, HEADER + capacity)
         self.capacity = capacity
         self.map = mmap.mmap(self.fd, HEADER + capacity)
         self.array = np.frombuffer(self.map, dtype=np.uint8)
         self.array[::_PAGE] = 0  # pre-fault every page once
+        self.array[KEY] = np.frombuffer(key, dtype=np.uint8)
         self.name = f"{os.getpid()}/{self.fd}"
         self.holder = 0  # pid of the process the slot was last sent to
 
@@ -77,7 +88,8 @@ class SenderPool:
         self._lock = threading.Lock()
         self._total = 0
         self._limit = limit_bytes
-        self.probe = _Segment(_PAGE)
+        self.key = os.urandom(KEY.stop - KEY.start)  # peers check it in every segment
+        self.probe = _Segment(_PAGE, self.key)
         self.probe.array[HEADER : HEADER + len(MAGIC)] = np.frombuffer(MAGIC, dtype=np.uint8)
 
     def place(self, raw: memoryview, holder: int = 0) -> SharedBuffer | None:
@@ -102,7 +114,7 @@ class SenderPool:
             if segment is None:
                 if self._total + capacity > self._limit:
                     return None
-                segment = _Segment(capacity)
+                segment = _Segment(capacity, self.key)
                 self._total += capacity
                 segments.append(segment)
             segment.array[0] = 1
@@ -186,21 +198,37 @@ class Attachments:
                     self._maps[name] = mapped
         return mapped
 
-    def tensor(self, shared: SharedBuffer) -> torch.Tensor:
+    def bind(self, pid: int, key: bytes) -> Callable[[SharedBuffer], torch.Tensor]:
+        """``tensor`` for the segments of one peer: the process ``pid``, whose
+        pool has ``key``; any other descriptor raises ValueError unmapped."""
+        return functools.partial(self._tensor, pid, key)
+
+    def _tensor(self, pid: int, key: bytes, shared: SharedBuffer) -> torch.Tensor:
         """A uint8 tensor over the slot; freeing it (and its views) frees the slot."""
+        owner, _, fd = shared.segment.partition("/")
+        if not (owner.isdigit() and fd.isdigit() and int(owner) == pid):
+            raise ValueError(
+                f"shared buffer {shared.segment!r} is not in the pool of the peer on this "
+                f"stream (process {pid})"
+            )
         _, whole = self._map(shared.segment)
+        if bytes(whole[KEY]) != key:
+            raise ValueError(f"shared buffer {shared.segment!r} is not in the peer's pool")
         if shared.offset != HEADER or shared.offset + shared.size > len(whole):
             raise ValueError(f"shared buffer {shared.segment} out of bounds: {shared}")
         data = whole[shared.offset : shared.offset + shared.size]
         weakref.finalize(data, _release, whole)
         return torch.from_numpy(data)
 
-    def can_open(self, probe_name: str) -> bool:
+    def can_open(self, probe_name: str, key: bytes) -> bool:
+        """Whether ``probe_name`` is a probe this worker can map, of the pool with ``key``."""
         try:
             _, whole = self._map(probe_name)
         except (OSError, ValueError):
             return False
-        return bytes(whole[HEADER : HEADER + len(MAGIC)]) == MAGIC
+        return (
+            bytes(whole[HEADER : HEADER + len(MAGIC)]) == MAGIC and bytes(whole[KEY]) == key
+        )
 
     def forget(self, prefix: str) -> None:
         """Drop the mappings of a peer (its pid prefix) after it went away."""

@@ -35,6 +35,7 @@ Rules:
 
 from __future__ import annotations
 
+import functools
 import hmac
 import itertools
 import queue
@@ -335,7 +336,9 @@ class Server:
     ``on_frame(frame, peer_rank, respond, inline)`` is called on a reader
     thread of the stream for every request frame, with ``inline`` True when
     that thread may run the request itself (see ``_TakeTurns``);
-    ``respond(pieces)`` queues a reply frame on the same stream.
+    ``respond(pieces)`` queues a reply frame on the same stream;
+    ``attach(peer_rank, descriptor)`` builds a tensor over a shared-memory
+    slot that the caller of rank ``peer_rank`` named.
     """
 
     def __init__(
@@ -347,7 +350,7 @@ class Server:
         max_message_size: int,
         credentials: grpc.ServerCredentials | None = None,
         port: int = 0,
-        attach: Callable[[Any], Any] | None = None,
+        attach: Callable[[int, Any], Any] | None = None,
         batch_delay: float = 0.0,
         batch_min_open: int = 0,
     ):
@@ -385,7 +388,8 @@ class Server:
         peer_rank = int(metadata.get("rrpc-rank", "-1"))
         outbox = Outbox(self._packet_size, *self._batching)
         self._outboxes.add(outbox)
-        reader = codec.FrameReader(self._max_message_size, self._attach)
+        attach = functools.partial(self._attach, peer_rank) if self._attach else None
+        reader = codec.FrameReader(self._max_message_size, attach)
         respond = outbox.put
 
         readers = _TakeTurns(

@@ -12,6 +12,7 @@ One world of three workers records what it saw:
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
 import struct
@@ -25,7 +26,7 @@ import torch
 import rrpc
 from harness import mp_context, run_workers
 from rrpc import codec
-from rrpc._proto.rrpc_pb2 import Envelope
+from rrpc._proto.rrpc_pb2 import Envelope, SharedBuffer
 from rrpc.messages import CALL
 
 TOKEN = "right-token"
@@ -394,3 +395,66 @@ def test_reply_over_the_callees_limit_is_refused_with_both_sizes(world):
     assert seen["type"] == "MessageTooLargeError"
     _assert_names_both_sizes(seen["message"])
     assert world[0]["after reply too large"]["value"] == "worker1"
+
+
+# -- Shared-memory descriptors from the wire --------------------------------------
+
+
+def _shared_buffer_frame(segment):
+    """A CALL whose one tensor buffer claims to be in shared memory at ``segment``."""
+    payload = pickle.dumps((_whoami, (), {}))
+    envelope = Envelope(kind=CALL, request_id=7, payload_size=len(payload), buffer_sizes=[0])
+    envelope.shared_buffers[0].CopyFrom(SharedBuffer(segment=segment, offset=64, size=16))
+    head = envelope.SerializeToString()
+    return struct.pack("<I", len(head)) + head + payload
+
+
+def _attack_with_descriptors(rank, world_size, victim, victim_size):
+    rrpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size)
+    seen = None
+    if rank == 0:
+        address = rrpc.rpc_sync("worker1", _my_address)
+        seen = {}
+        # Claiming to be worker0 (a real same-host peer): another process's open
+        # file, worker0's own stdin, and a segment number in no pool at all.
+        for name, segment in (
+            ("victim's file", victim),
+            ("worker0's stdin", f"{os.getpid()}/0"),
+            ("no such fd", f"{os.getpid()}/999999"),
+        ):
+            frames, error = _raw_exchange(
+                address, [_shared_buffer_frame(segment)], [("rrpc-rank", "0")]
+            )
+            seen[name] = {"replies": len(frames), "error": error}
+        seen["still serving"] = _outcome(rrpc.rpc_sync, "worker1", _whoami)
+        big = torch.arange(1 << 20, dtype=torch.float32)  # 4 MiB: the real shm path
+        seen["real shared memory"] = torch.equal(rrpc.rpc_sync("worker1", torch.clone, (big,)), big)
+    rrpc.shutdown()
+    return seen
+
+
+def test_a_shared_memory_descriptor_outside_the_peers_pool_is_refused_and_maps_nothing(tmp_path):
+    # The worker used to map /proc/<pid>/fd/<fd> of any process a frame named,
+    # read-write, before unpickling anything.
+    victim_path = tmp_path / "victim"
+    content = b"V" * 64 + b"victim-bytes-16b" + b"tail"
+    victim_path.write_bytes(content)
+    fd = os.open(victim_path, os.O_RDWR)
+    try:
+        seen = run_workers(
+            _attack_with_descriptors,
+            2,
+            args=(f"{os.getpid()}/{fd}", len(content)),
+            env={"RRPC_SHM": "1"},
+            init=False,
+            timeout=60,
+        )[0]
+    finally:
+        os.close(fd)
+    for name in ("victim's file", "worker0's stdin", "no such fd"):
+        assert seen[name]["replies"] == 0, seen
+        assert seen[name]["error"]["code"] == "INVALID_ARGUMENT", seen
+    assert "not in the pool of the peer on this stream" in seen["victim's file"]["error"]["details"]
+    assert victim_path.read_bytes() == content
+    assert seen["still serving"]["value"] == "worker1"
+    assert seen["real shared memory"] is True

@@ -3,10 +3,13 @@
 import os
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
+import pytest
 
 from rrpc import shm
+from rrpc._proto.rrpc_pb2 import SharedBuffer
 
 MiB = 1 << 20
 
@@ -28,7 +31,8 @@ def test_a_freed_slot_is_reused_and_a_busy_one_is_not():
         first = pool.place(_payload(1), holder=os.getpid())
         second = pool.place(_payload(2), holder=os.getpid())  # the first is still busy
         assert first.segment != second.segment
-        shm.Attachments().tensor(first)  # the receiver's tensor, freed at once: slot free
+        # the receiver's tensor, freed at once: slot free
+        shm.Attachments().bind(os.getpid(), pool.key)(first)
         third = pool.place(_payload(3), holder=os.getpid())
         assert third.segment == first.segment
         assert pool.debug_info() == {"segments": 2, "busy": 2}
@@ -43,7 +47,7 @@ def test_the_slot_of_a_receiver_that_died_without_freeing_it_is_taken_back():
         again = pool.place(_payload(2), holder=os.getpid())
         assert again.segment == lost.segment  # reclaimed, not a new segment
         assert pool.debug_info() == {"segments": 1, "busy": 1}
-        attached = shm.Attachments().tensor(again)
+        attached = shm.Attachments().bind(os.getpid(), pool.key)(again)
         assert bool((attached == 2).all())  # the new payload, whole
     finally:
         pool.close()
@@ -68,3 +72,27 @@ def test_a_zombie_counts_as_dead():
     finally:
         child.wait()
     assert shm._alive(os.getpid())
+
+
+def test_a_receiver_maps_only_the_bound_peers_pool():
+    # A descriptor names "<pid>/<fd>": only the peer's own process, and only a
+    # segment whose header carries the peer's pool key, is ever mapped.
+    pool, other = shm.SenderPool(), shm.SenderPool()
+    try:
+        mine = pool.place(_payload(1), holder=os.getpid())
+        foreign = other.place(_payload(2), holder=os.getpid())
+        attach = shm.Attachments().bind(os.getpid(), pool.key)
+        assert bool((attach(mine) == 1).all())
+        with pytest.raises(ValueError, match="not in the peer's pool"):
+            attach(foreign)  # same process, another pool
+        with pytest.raises(ValueError, match="not in the pool of the peer on this stream"):
+            shm.Attachments().bind(os.getpid() + 1, pool.key)(mine)  # another process
+        with tempfile.TemporaryFile() as victim:
+            victim.write(b"x" * 4096)
+            victim.flush()
+            named = SharedBuffer(segment=f"{os.getpid()}/{victim.fileno()}", offset=64, size=16)
+            with pytest.raises(ValueError, match="not in the peer's pool"):
+                attach(named)  # an ordinary open file of the peer
+    finally:
+        pool.close()
+        other.close()
