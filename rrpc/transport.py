@@ -112,6 +112,8 @@ class Outbox:
         self._sends = itertools.count(1)
         self._sent = 0
         self.received = 0
+        self._closing = False  # end once every exchange is answered (end_when_answered)
+        self._closing_lock = threading.Lock()
 
     def open_exchanges(self) -> int:
         return abs(self._sent - self.received)
@@ -120,6 +122,21 @@ class Outbox:
         """Queue one frame's pieces, from any thread."""
         self._sent = next(self._sends)
         self.queue.put(pieces)
+        if self._closing:
+            self._end_if_answered()
+
+    def end_when_answered(self) -> None:
+        """The other side sent its last frame: end the stream once every
+        exchange open on it is answered (a caller that half-closed its side
+        still gets the replies to what it sent)."""
+        self._closing = True
+        self._end_if_answered()
+
+    def _end_if_answered(self) -> None:
+        with self._closing_lock:
+            if self._closing and self.open_exchanges() == 0:
+                self._closing = False
+                self.queue.put(_CLOSE)
 
     def end(self, error: BaseException | None = None) -> None:
         """End the stream after what is queued; with ``error``, end it failed."""
@@ -218,8 +235,11 @@ class _TakeTurns:
                 return
             try:
                 frames = self._reader.feed(next(self._packets))
-            except StopIteration:
-                return self._end(None)
+            except StopIteration:  # the caller half-closed: answer what it sent, then end
+                self._ended = True
+                self._outbox.end_when_answered()
+                self._turn.release()
+                return
             except grpc.RpcError:
                 return self._end(None)  # the caller went away; its side reports it
             except Exception as exc:  # a malformed frame: end this stream, keep serving others

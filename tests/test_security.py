@@ -458,3 +458,40 @@ def test_a_shared_memory_descriptor_outside_the_peers_pool_is_refused_and_maps_n
     assert victim_path.read_bytes() == content
     assert seen["still serving"]["value"] == "worker1"
     assert seen["real shared memory"] is True
+
+
+# -- A caller that half-closes its side ------------------------------------------
+
+
+def _slow_echo(value):
+    threading.Event().wait(0.3)  # still running when the caller half-closes
+    return value
+
+
+def _half_closed_exchange(address, packets, timeout=10.0):
+    """Send `packets`, close the request side at once, and read every reply."""
+    reader, frames = codec.FrameReader(), []
+    with grpc.insecure_channel(address) as channel:
+        call = channel.stream_stream(METHOD)(
+            iter(packets), metadata=[("rrpc-rank", "0")], timeout=timeout
+        )
+        for packet in call:
+            frames += reader.feed(packet)
+    return frames
+
+
+def _half_close_while_requests_run(rank, world_size):
+    rrpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size)
+    replies = None
+    if rank == 0:
+        address = rrpc.rpc_sync("worker1", _my_address)
+        calls = [_encoded_call(_slow_echo, (i,), request_id=i + 1) for i in range(3)]
+        frames = _half_closed_exchange(address, [b"".join(calls)])
+        replies = sorted(codec.loads(frame) for frame in frames)
+    rrpc.shutdown()
+    return replies
+
+
+def test_a_caller_that_half_closes_still_gets_every_reply():
+    # The stream used to end, OK and empty, as soon as the request side closed.
+    assert run_workers(_half_close_while_requests_run, 2, init=False, timeout=60)[0] == [0, 1, 2]
