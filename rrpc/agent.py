@@ -389,6 +389,8 @@ class Agent:
         self._connect_lock = threading.Lock()
         self._opened: list[transport.Connection] = []  # every channel opened, closed at stop
         self._stopped = False
+        # Set once init_rpc has learned every peer: requests wait for it.
+        self.ready = threading.Event()
         self._server_credentials, self._channel_credentials = _tls_credentials(options)
         self._metadata = [("rrpc-rank", str(rank))]
         if options.auth_token is not None:
@@ -669,6 +671,10 @@ class Agent:
         self.handlers[kind] = handler
 
     def _on_request(self, frame: codec.Frame, peer_rank: int, respond, inline: bool) -> None:
+        if not self.ready.is_set():
+            # A peer that finished init_rpc first may call before this worker
+            # knows every peer and is current: its functions would not find them.
+            self.ready.wait(self.options.init_timeout)
         peer = self._peers_by_rank.get(peer_rank)
         if peer is None:
             peer = (self._learn(peer_rank) if self.lookup else None) or WorkerInfo(
@@ -789,6 +795,7 @@ class Agent:
 
     def stop(self, graceful: bool) -> None:
         """Close every stream and the server; fail what is still pending."""
+        self.ready.set()  # release requests that waited for an init that failed
         with self._connect_lock:
             self._stopped = True
             connections = list(self._connections.values())

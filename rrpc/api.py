@@ -110,6 +110,7 @@ def init_rpc(
             raise
         _rendezvous = rendezvous
         agent_module.set_current_agent(agent)
+        agent.ready.set()  # requests that came in meanwhile run from now on
         _stop_before_threads_are_joined()
 
 
