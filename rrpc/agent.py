@@ -38,7 +38,7 @@ from typing import Any, Protocol
 import grpc
 import torch
 
-from rrpc import codec, messages, shm, transport
+from rrpc import codec, logs, messages, shm, transport
 from rrpc.futures import (
     Future,
     blocking,
@@ -654,6 +654,15 @@ class Agent:
                 self._opened.remove(connection)
         if error is not None and not self._stopped:
             self.suspects.add(peer.id)
+            logs.event(
+                "peer-lost",
+                peer.name,
+                "%s: stream to %s at %s failed: %s",
+                self.info.name,
+                peer.name,
+                self._addresses.get(peer.id, "?"),
+                error,
+            )
         # Close its channel now: an open channel left to the garbage collector
         # can hang the interpreter's exit in gRPC's finalizer.
         connection.release()

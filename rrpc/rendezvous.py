@@ -31,6 +31,7 @@ from urllib.parse import urlparse
 
 import torch.distributed as dist
 
+from rrpc import logs
 from rrpc.messages import RpcError, WorkerInfo
 
 _generations = itertools.count()  # one prefix per init in this process
@@ -238,6 +239,16 @@ class Rendezvous:
             others = [rank for rank in range(self.world_size) if rank != self.rank]
             if gone is not None and gone(others):
                 self._gone = set(others)
+                logs.event(
+                    "declared-dead",
+                    self.where,
+                    "rank %d: the store at %s is gone and ranks %s no longer answer: "
+                    "declared dead at barrier %r",
+                    self.rank,
+                    self.where,
+                    sorted(others),
+                    tag,
+                )
                 return
             raise RpcError(
                 f"barrier {tag!r}: the rendezvous store at {self.where} is unreachable "
@@ -268,6 +279,14 @@ class Rendezvous:
                     return
                 if gone(missing):
                     self._gone = set(missing)
+                    logs.event(
+                        "declared-dead",
+                        self.where,
+                        "rank %d: ranks %s no longer answer: declared dead at barrier %r",
+                        self.rank,
+                        missing,
+                        tag,
+                    )
                     return
                 next_probe = now + (0.5 if suspects else 5.0)
             if now >= deadline:

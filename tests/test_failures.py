@@ -10,6 +10,7 @@ tests then assert on those records, one behaviour per test.
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import signal
@@ -279,7 +280,18 @@ def _wait_for(condition, timeout, what):
         time.sleep(0.05)  # polling a condition with a deadline
 
 
+class _Captured(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
 def _call_the_peer_that_dies(rank, world_size, ready, killed):
+    captured = _Captured()
+    logging.getLogger("rrpc").addHandler(captured)
     rrpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size)
     if rank == 1:
         _never.wait()  # the test kills this worker
@@ -298,6 +310,7 @@ def _call_the_peer_that_dies(rank, world_size, ready, killed):
     start = time.monotonic()
     rrpc.shutdown()
     seen["graceful shutdown took"] = time.monotonic() - start
+    seen["log"] = captured.lines
     return seen
 
 
@@ -321,6 +334,16 @@ def test_peer_death_fails_every_pending_call_within_seconds_naming_the_peer(peer
             assert "worker1" in seen["message"]
             assert "_block_until_killed" in seen["message"]
             assert seen["finished at"] - killed_at < 5.0  # not the 60 s default timeout
+
+
+def test_a_dead_peer_is_logged_once_by_each_survivor_naming_it_and_its_address(peer_death):
+    results, _ = peer_death
+    for rank in (0, 2):
+        lost = [line for line in results[rank]["log"] if "stream to worker1" in line]
+        assert len(lost) == 1, results[rank]["log"]  # one line, not one per pending call
+        assert lost[0].startswith(f"rrpc: worker{rank}: stream to worker1 at 127.0.0.1:")
+        dead = [line for line in results[rank]["log"] if "declared dead" in line]
+        assert len(dead) == 1 and "[1]" in dead[0], results[rank]["log"]
 
 
 def test_calls_to_a_dead_peer_fail_fast(peer_death):
