@@ -393,8 +393,6 @@ class Agent:
         self.ready = threading.Event()
         self._server_credentials, self._channel_credentials = _tls_credentials(options)
         self._metadata = [("rrpc-rank", str(rank))]
-        if options.auth_token is not None:
-            self._metadata.append(("rrpc-token", options.auth_token))
         shm.tune_allocator()
         # Same-host fast path: our slots, peers' slots we mapped, peers that can map ours.
         self.shm_pool = shm.SenderPool() if options.shared_memory else None
@@ -416,8 +414,9 @@ class Agent:
             attach=self._attach_from,
             batch_delay=options.batch_delay,
             batch_min_open=options.batch_min_open,
+            rank=rank,
         )
-        self.address = f"{_bracket(host)}:{self.server.port}"
+        self.address = self.server.address
 
     def advertisement(self) -> dict[str, Any]:
         """What peers need to know of this worker besides its address."""
@@ -590,6 +589,8 @@ class Agent:
                     batch_delay=self.options.batch_delay,
                     batch_min_open=self.options.batch_min_open,
                     peer_timeout=self.options.peer_timeout,
+                    auth_token=self.options.auth_token,
+                    ranks=(self.info.id, peer.id),
                 )
                 self._connections[peer.id] = connection
                 self._opened.append(connection)
@@ -855,10 +856,6 @@ def _wait_future(future: torch.futures.Future | SyncReply, timeout: float) -> bo
     event = threading.Event()
     on_done(future, lambda _: event.set())
     return event.wait(None if timeout == math.inf else max(0.0, timeout))
-
-
-def _bracket(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def _tls_credentials(options: RpcBackendOptions):

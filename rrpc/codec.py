@@ -29,6 +29,9 @@ Rules:
 - Every length is checked before it is trusted: the envelope's size, and the
   frame's total (shared buffers included) against ``max_message_size``; the
   error gives both numbers.
+- With an auth token, each direction of a stream opens with a HANDSHAKE frame
+  (``handshake_frame``; see ``auth.py``): an envelope alone, which
+  ``read_handshake`` reads strictly, before anything else the peer sent.
 - The pickle hooks of upper layers (RRefs need to know where they travel,
   distributed autograd must see tensors that require grad) read
   ``current_peer()`` and the tensor hook that ``loads`` installs; a reducer
@@ -52,8 +55,8 @@ import cloudpickle
 import numpy as np
 import torch
 
-from rrpc._proto.rrpc_pb2 import Envelope, SharedBuffer
-from rrpc.messages import MessageTooLargeError, RpcError, SerializationError
+from rrpc._proto.rrpc_pb2 import Envelope, Handshake, SharedBuffer
+from rrpc.messages import HANDSHAKE, MessageTooLargeError, RpcError, SerializationError
 from rrpc.shm import Placer
 
 HEADER = struct.Struct("<I")
@@ -732,3 +735,41 @@ def packets(pieces: Iterator[Any], packet_size: int) -> Iterator[bytes]:
                 batch, batched = [], 0
     if batch:
         yield b"".join(batch)
+
+
+# -- The auth handshake ----------------------------------------------------------
+MAX_HANDSHAKE_ENVELOPE = 256  # a handshake envelope is ~75 bytes
+
+
+def handshake_frame(nonce: bytes, proof: bytes) -> bytes:
+    """The frame that opens one direction of an authenticated stream (``auth.py``)."""
+    envelope = Envelope(kind=HANDSHAKE)
+    envelope.handshake.nonce = nonce
+    envelope.handshake.proof = proof
+    head = envelope.SerializeToString()
+    return HEADER.pack(len(head)) + head
+
+
+def read_handshake(packet: bytes) -> tuple[Handshake, bytes]:
+    """The handshake frame a stream's first packet must open with, and the
+    bytes after it (frames to read once the peer is trusted).
+
+    Strict, and reads nothing of the peer's but that small envelope: anything
+    else (another kind, a payload, buffers, a frame cut across packets) is a
+    ``ProtocolError``."""
+    if len(packet) < HEADER.size:
+        raise ProtocolError(f"{len(packet)} bytes where an auth handshake was expected")
+    (head_size,) = HEADER.unpack_from(packet)
+    end = HEADER.size + head_size
+    if head_size > MAX_HANDSHAKE_ENVELOPE or end > len(packet):
+        raise ProtocolError(f"an envelope of {head_size} bytes is not an auth handshake")
+    envelope = Envelope()
+    try:
+        envelope.ParseFromString(memoryview(packet)[HEADER.size : end])
+    except Exception as exc:
+        raise ProtocolError(f"unparseable handshake envelope: {exc}") from exc
+    if envelope.kind != HANDSHAKE:
+        raise ProtocolError(f"a frame of kind {envelope.kind} where an auth handshake was expected")
+    if envelope.payload_size or envelope.buffer_sizes or envelope.shared_buffers:
+        raise ProtocolError("an auth handshake carries no payload nor buffers")
+    return envelope.handshake, packet[end:]

@@ -17,6 +17,9 @@ from dataclasses import dataclass
 # Replies.
 REPLY = 1  # payload: the result
 ERROR = 2  # payload: RemoteException
+# The transport's: opens each direction of a stream when the cluster has a
+# token (rrpc/auth.py); no payload, and it never reaches the agent.
+HANDSHAKE = 3
 # Requests. Each request kind is served by one handler registered with the agent.
 CALL = 10  # payload: (func, args, kwargs) -> result of func(*args, **kwargs)
 RREF_CREATE = 20  # remote(): run func on the owner and keep the result under an RRef id
@@ -77,7 +80,7 @@ class PeerUnavailableError(RpcError, ConnectionError):
 
 
 class AuthenticationError(RpcError, PermissionError):
-    """The peer rejected this worker's token, or the other way round."""
+    """A peer did not prove it knows the cluster's auth token, or rejected this worker."""
 
 
 class MessageTooLargeError(RpcError, ValueError):

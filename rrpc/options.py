@@ -31,7 +31,8 @@ class RpcBackendOptions:
         rpc_timeout: default timeout in seconds of every call (0: none).
         init_method: ``"env://"`` (MASTER_ADDR / MASTER_PORT) or ``"tcp://host:port"``.
         init_timeout: seconds to wait for all workers at ``init_rpc``.
-        auth_token: shared secret every worker must present (env ``RRPC_AUTH_TOKEN``).
+        auth_token: shared secret every worker must prove it knows, once per stream,
+            without sending it (env ``RRPC_AUTH_TOKEN``; see ``rrpc/auth.py``).
         advertise_host: address this worker listens on and publishes to its peers
             (env ``RRPC_ADVERTISE_HOST``; default: the local address that routes to
             MASTER_ADDR, which is 127.0.0.1 on one machine).

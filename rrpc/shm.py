@@ -226,9 +226,7 @@ class Attachments:
             _, whole = self._map(probe_name)
         except (OSError, ValueError):
             return False
-        return (
-            bytes(whole[HEADER : HEADER + len(MAGIC)]) == MAGIC and bytes(whole[KEY]) == key
-        )
+        return bytes(whole[HEADER : HEADER + len(MAGIC)]) == MAGIC and bytes(whole[KEY]) == key
 
     def forget(self, prefix: str) -> None:
         """Drop the mappings of a peer (its pid prefix) after it went away."""

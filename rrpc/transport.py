@@ -20,9 +20,11 @@ millisecond before cutting a packet (``Outbox``): each gRPC message costs
 halve the CPU per call under load, while a lone call never waits.
 
 Rules:
-- The stream's metadata carries the caller's rank and, when the cluster has a
-  token, the token; the server checks it before reading a single frame, so an
-  unauthenticated peer never gets anything unpickled.
+- The stream's metadata carries the caller's rank. When the cluster has a
+  token, both ends prove they know it (``auth.py``: a challenge-response, once
+  per stream, the token never sent) before either reads a frame of the other:
+  the callee reads no request until the caller proved itself, and the caller
+  sends no request, and reads no reply, until the callee did.
 - A stream that breaks reports once, through ``on_close(connection, reason)``
   (possibly before the constructor returns); the agent opens a new one at the
   next call. Every channel is closed explicitly: one left to the garbage
@@ -36,24 +38,25 @@ Rules:
 from __future__ import annotations
 
 import functools
-import hmac
 import itertools
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from concurrent import futures
 from typing import Any
 
 import grpc
 
-from rrpc import codec
+from rrpc import auth, codec
 from rrpc.futures import mark_transport_thread
 from rrpc.messages import AuthenticationError, PeerUnavailableError
 
 SERVICE = "rrpc.Worker"
 METHOD = f"/{SERVICE}/Exchange"
 _CLOSE = object()  # queued to end a stream's sending side
+SERVER_HANDSHAKE_TIMEOUT = 10.0  # seconds a caller has to prove itself
+_REFUSED = "wrong or missing auth token"
 
 
 def _channel_options(peer_timeout: float) -> list[tuple[str, int]]:
@@ -264,6 +267,78 @@ class _TakeTurns:
         self._turn.release()
 
 
+class _CallerHandshake:
+    """The caller's side of the handshake (``auth.py``) on one stream."""
+
+    def __init__(self, token: auth.Token, ranks: tuple[int, int], address: str, peer_name: str):
+        self.nonce = auth.new_nonce()
+        self.expired = False  # the peer did not prove itself in time
+        self._token = token
+        self._ranks = ranks
+        self._address = address
+        self._peer_name = peer_name
+        self._proof: bytes | None = None  # our handshake packet, once the peer proved itself
+        self._done = threading.Event()
+        self._timer: threading.Timer | None = None
+        self._timeout = 0.0
+
+    def requests(self, packets: Iterator[bytes]) -> Iterator[bytes]:
+        """The request side: nothing until the peer proved itself, then our
+        proof and the requests queued meanwhile."""
+        self._done.wait()
+        if self._proof is None:
+            return  # the peer failed; the stream is being cancelled
+        yield self._proof
+        yield from packets
+
+    def start_timer(self, timeout: float, cancel: Callable[[], Any]) -> None:
+        def expire() -> None:
+            if not self._done.is_set():
+                self.expired = True
+                cancel()
+
+        self._timeout = timeout
+        self._timer = threading.Timer(timeout, expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def check(self, packets: Iterator[bytes]) -> Iterator[bytes]:
+        """Read the peer's handshake from the response side and check it;
+        return the rest of the response side. Raises AuthenticationError."""
+        peer = self._peer_name
+        first = next(packets, None)
+        if first is None:
+            raise AuthenticationError(f"{peer} ended the stream before it authenticated")
+        try:
+            handshake, rest = codec.read_handshake(first)
+        except codec.ProtocolError as exc:
+            raise AuthenticationError(
+                f"{peer} at {self._address} did not authenticate ({exc}): it does not know "
+                "the auth token, or it is not the worker of that name"
+            ) from None
+        if len(handshake.nonce) != auth.NONCE_SIZE:
+            raise AuthenticationError(f"{peer} sent an auth handshake without a valid nonce")
+        binding = auth.Binding(*self._ranks, self._address, self.nonce, handshake.nonce)
+        if not self._token.verify(auth.CALLEE, binding, handshake.proof):
+            raise AuthenticationError(
+                f"{peer} at {self._address} failed to prove it knows the auth token: its "
+                "token differs from this worker's, or it is not the worker of that name"
+            )
+        self._proof = codec.handshake_frame(b"", self._token.proof(auth.CALLER, binding))
+        self.finish()
+        return itertools.chain((rest,), packets) if rest else packets
+
+    def timed_out(self) -> AuthenticationError:
+        return AuthenticationError(
+            f"{self._peer_name} at {self._address} did not authenticate within {self._timeout:g} s"
+        )
+
+    def finish(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._done.set()
+
+
 class Connection:
     """This worker's stream to one peer's server: requests out, replies in."""
 
@@ -281,7 +356,11 @@ class Connection:
         batch_delay: float = 0.0,
         batch_min_open: int = 0,
         peer_timeout: float = 8.0,
+        auth_token: str | None = None,
+        ranks: tuple[int, int] = (-1, -1),
     ):
+        """``auth_token``: prove it to the peer, and require its proof
+        (``ranks``: this worker's and the peer's, which the proofs cover)."""
         self.peer_name = peer_name
         self.closed = False  # set once the stream has ended, before on_close runs
         self.error: BaseException | None = None  # why it ended, when it failed
@@ -292,7 +371,15 @@ class Connection:
         else:
             self._channel = grpc.secure_channel(address, credentials, options=options)
         stream = self._channel.stream_stream(METHOD)
-        self._call = stream(self._outbox.packets(), metadata=metadata)
+        requests = self._outbox.packets()
+        self._auth: _CallerHandshake | None = None
+        if auth_token is not None:
+            self._auth = _CallerHandshake(auth.Token(auth_token), ranks, address, peer_name)
+            metadata = [*metadata, (auth.NONCE_KEY, self._auth.nonce.hex())]
+            requests = self._auth.requests(requests)
+        self._call = stream(requests, metadata=metadata)
+        if self._auth is not None:
+            self._auth.start_timer(peer_timeout, self._call.cancel)
         self._on_frame = on_frame
         self._on_close = on_close
         self._reader = codec.FrameReader(max_message_size, attach)
@@ -308,12 +395,24 @@ class Connection:
         mark_transport_thread()
         error: BaseException | None = None
         try:
-            _read_frames(self._call, self._reader, self._on_frame, self._outbox)
+            packets: Iterator[bytes] = self._call
+            if self._auth is not None:
+                packets = self._auth.check(packets)
+            _read_frames(packets, self._reader, self._on_frame, self._outbox)
+        except AuthenticationError as exc:  # the peer did not prove itself
+            error = exc
+            self._call.cancel()
         except grpc.RpcError as exc:
-            error = _stream_error(exc, self.peer_name)
+            if self._auth is not None and self._auth.expired:
+                error = self._auth.timed_out()
+            else:
+                error = _stream_error(exc, self.peer_name)
         except Exception as exc:  # a malformed frame from the peer
             error = PeerUnavailableError(f"stream from {self.peer_name} broke: {exc}")
             self._call.cancel()
+        finally:
+            if self._auth is not None:
+                self._auth.finish()  # lets the request side end if it never began
         self.error = error
         self.closed = True
         self._on_close(self, error)  # may run before __init__ returned: pass self
@@ -336,6 +435,11 @@ class Connection:
         self._call.cancel()
         self._outbox.end()
         self._channel.close()
+
+
+def bracket(host: str) -> str:
+    """``host`` as the host part of an address (an IPv6 one in brackets)."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def _stream_error(exc: grpc.RpcError, peer_name: str) -> BaseException | None:
@@ -373,10 +477,12 @@ class Server:
         attach: Callable[[int, Any], Any] | None = None,
         batch_delay: float = 0.0,
         batch_min_open: int = 0,
+        rank: int = -1,
     ):
         self._on_frame = on_frame
         self._attach = attach
-        self._token = auth_token
+        self._token = auth.Token(auth_token) if auth_token is not None else None
+        self._rank = rank
         self._packet_size = packet_size
         self._max_message_size = max_message_size
         self._batching = (batch_delay, batch_min_open)
@@ -397,15 +503,27 @@ class Server:
             self.port = self._server.add_secure_port(target, credentials)
         if not self.port:
             raise OSError(f"cannot listen on {target}")
+        # What peers dial, and what the auth proofs cover.
+        self.address = f"{bracket(host)}:{self.port}"
         self._server.start()
 
     def _exchange(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext):
         metadata = dict(context.invocation_metadata())
-        if self._token is not None and not hmac.compare_digest(
-            metadata.get("rrpc-token", "").encode(), self._token.encode()
-        ):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "wrong or missing auth token")
-        peer_rank = int(metadata.get("rrpc-rank", "-1"))
+        try:
+            peer_rank = int(metadata.get("rrpc-rank", "-1"))
+        except ValueError:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "rrpc-rank is not a number")
+        requests: Iterator[bytes] = request_iterator
+        if self._token is not None:
+            checked = yield from self._authenticate(request_iterator, context, metadata, peer_rank)
+            if checked is None:
+                return  # the caller went away before it proved itself
+            requests = checked
+        elif auth.NONCE_KEY in metadata:
+            context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "the callee has no auth token, and the caller requires one",
+            )
         outbox = Outbox(self._packet_size, *self._batching)
         self._outboxes.add(outbox)
         attach = functools.partial(self._attach, peer_rank) if self._attach else None
@@ -413,7 +531,7 @@ class Server:
         respond = outbox.put
 
         readers = _TakeTurns(
-            request_iterator,
+            requests,
             reader,
             outbox,
             lambda frame, inline: self._on_frame(frame, peer_rank, respond, inline),
@@ -428,6 +546,45 @@ class Server:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed frame: {exc}")
         finally:
             self._outboxes.discard(outbox)
+
+    def _authenticate(
+        self,
+        requests: Iterator[bytes],
+        context: grpc.ServicerContext,
+        metadata: dict[str, Any],
+        peer_rank: int,
+    ) -> Generator[bytes, None, Iterator[bytes] | None]:
+        """The callee's side of the handshake (``auth.py``): yields this
+        worker's handshake packet, returns the requests once the caller proved
+        itself, None if it went away first (aborts the stream if it fails,
+        before any frame is read)."""
+        assert self._token is not None
+        try:
+            caller_nonce = bytes.fromhex(metadata.get(auth.NONCE_KEY, ""))
+        except ValueError:
+            caller_nonce = b""
+        if len(caller_nonce) != auth.NONCE_SIZE:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, _REFUSED)
+        binding = auth.Binding(peer_rank, self._rank, self.address, caller_nonce, auth.new_nonce())
+        yield codec.handshake_frame(binding.callee_nonce, self._token.proof(auth.CALLEE, binding))
+        # A caller that never answers holds this thread no longer than this.
+        timer = threading.Timer(SERVER_HANDSHAKE_TIMEOUT, context.cancel)
+        timer.daemon = True
+        timer.start()
+        try:
+            first = next(requests)
+        except Exception:  # the caller went away (or the timer cancelled the stream)
+            return None
+        finally:
+            timer.cancel()
+        try:
+            handshake, rest = codec.read_handshake(first)
+        except codec.ProtocolError:
+            handshake, rest = None, b""
+        del first
+        if handshake is None or not self._token.verify(auth.CALLER, binding, handshake.proof):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, _REFUSED)
+        return itertools.chain((rest,), requests) if rest else requests
 
     def stop(self, grace: float | None = 1.0) -> None:
         for outbox in list(self._outboxes):

@@ -7,9 +7,7 @@ import logging
 from rrpc import logs
 
 
-def test_a_flood_of_one_event_from_one_peer_logs_one_line_then_counts_the_rest(
-    caplog, monkeypatch
-):
+def test_a_flood_of_one_event_from_one_peer_logs_one_line_then_counts_the_rest(caplog, monkeypatch):
     now = [1000.0]
     monkeypatch.setattr(logs.time, "monotonic", lambda: now[0])
     monkeypatch.setattr(logs, "_last", {})

@@ -5,8 +5,9 @@ One world of three workers records what it saw:
   worker2 has the wrong one (option ``auth_token``);
 - worker1 accepts messages of at most ``SMALL_LIMIT`` bytes;
 - worker0 also opens raw gRPC streams to worker1's port and sends it frames
-  built by hand: unauthenticated, malformed, and a pickle that would create a
-  marker file if it were ever loaded.
+  built by hand: unauthenticated, with a replayed handshake, malformed, and a
+  pickle that would create a marker file if it were ever loaded. Streams that
+  should get through do the caller's side of the auth handshake by hand.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ import torch
 
 import rrpc
 from harness import mp_context, run_workers
-from rrpc import codec
+from rrpc import auth, codec
 from rrpc._proto.rrpc_pb2 import Envelope, SharedBuffer
-from rrpc.messages import CALL
+from rrpc.messages import CALL, HANDSHAKE
 
 TOKEN = "right-token"
 SMALL_LIMIT = 1 << 20
@@ -71,24 +72,50 @@ class _CreatesFile:
 # -- Raw gRPC streams ------------------------------------------------------------
 
 
-def _raw_exchange(address, packets, metadata, replies_wanted=1, timeout=10.0):
+def _raw_exchange(
+    address, packets, metadata, replies_wanted=1, timeout=10.0, token=None, callee_rank=1, sent=None
+):
     """Send `packets` on a fresh Exchange stream; return (frames received, grpc error or None).
+
+    With `token`, first does the caller's side of the auth handshake with it:
+    a nonce in the metadata, then, once the callee's handshake arrived, the
+    proof as the first packet (the callee's proof is not checked: a hostile
+    caller does not care). The callee's handshake is not among the frames
+    returned. `sent`, a list, gets the metadata and every packet sent.
 
     The request side stays open until the wanted replies arrived (or the
     stream ended), so the server has time to answer.
     """
     outgoing: queue.SimpleQueue = queue.SimpleQueue()
-    for packet in packets:
-        outgoing.put(packet)
+    nonce = auth.new_nonce()
+    if token is None:
+        for packet in packets:
+            outgoing.put(packet)
+    else:
+        metadata = [*metadata, (auth.NONCE_KEY, nonce.hex())]
+    if sent is not None:
+        sent.append(metadata)
     finished = threading.Event()
 
     def requests():
         while True:
             try:
-                yield outgoing.get(timeout=0.05)
+                packet = outgoing.get(timeout=0.05)
             except queue.Empty:
                 if finished.is_set():
                     return
+                continue
+            if sent is not None:
+                sent.append(packet)
+            yield packet
+
+    def prove(handshake):
+        caller_rank = int(dict(metadata).get("rrpc-rank", "-1"))
+        binding = auth.Binding(caller_rank, callee_rank, address, nonce, handshake.nonce)
+        proof = auth.Token(token).proof(auth.CALLER, binding)
+        outgoing.put(codec.handshake_frame(b"", proof))
+        for packet in packets:
+            outgoing.put(packet)
 
     frames, error = [], None
     reader = codec.FrameReader()
@@ -96,7 +123,11 @@ def _raw_exchange(address, packets, metadata, replies_wanted=1, timeout=10.0):
         call = channel.stream_stream(METHOD)(requests(), metadata=metadata, timeout=timeout)
         try:
             for packet in call:
-                frames += reader.feed(packet)
+                for frame in reader.feed(packet):
+                    if frame.envelope.kind != HANDSHAKE:
+                        frames.append(frame)
+                    elif token is not None:
+                        prove(frame.envelope.handshake)
                 if len(frames) >= replies_wanted:
                     break
         except grpc.RpcError as exc:
@@ -128,30 +159,48 @@ def _decoded_error(frame):
     return type_name, message
 
 
+_TOKEN_CASES = ("none", "in plain metadata", "nonce only", "wrong", "replayed", "right")
+
+
 def _hostile_bytes(address, marker_dir):
     seen = {}
-    markers = {name: os.path.join(marker_dir, name) for name in ("none", "wrong", "right")}
+    markers = {name: os.path.join(marker_dir, name) for name in _TOKEN_CASES}
     rank = [("rrpc-rank", "0")]
-    for name, metadata in (
-        ("none", rank),
-        ("wrong", rank + [("rrpc-token", "wrong-token")]),
-        ("right", rank + [("rrpc-token", TOKEN)]),
+    recorded: list = []  # a real exchange, for the replay
+    nonce_only = [(auth.NONCE_KEY, auth.new_nonce().hex())]
+    for name, metadata, token in (
+        ("none", rank, None),
+        ("in plain metadata", rank + [("rrpc-token", TOKEN)], None),  # how tokens used to travel
+        ("nonce only", rank + nonce_only, None),  # a request where the caller's proof belongs
+        ("wrong", rank, "wrong-token"),
+        ("right", rank, TOKEN),
     ):
         packet = _encoded_call(_whoami, (_CreatesFile(markers[name]),))
-        frames, error = _raw_exchange(address, [packet], metadata)
+        sent = recorded if name == "right" else None
+        frames, error = _raw_exchange(address, [packet], metadata, token=token, sent=sent)
         seen[f"token {name}"] = {
             "error": error,
             "replies": [f.envelope.kind for f in frames],
             "marker exists": os.path.exists(markers[name]),
         }
+    # The right exchange's metadata and proof, sent again on a new stream.
+    recorded_metadata, recorded_proof = recorded[0], recorded[1]
+    packet = _encoded_call(_whoami, (_CreatesFile(markers["replayed"]),))
+    frames, error = _raw_exchange(address, [recorded_proof, packet], recorded_metadata)
+    seen["token replayed"] = {
+        "error": error,
+        "replies": [f.envelope.kind for f in frames],
+        "marker exists": os.path.exists(markers["replayed"]),
+        "recorded": [recorded_metadata, recorded_proof],
+    }
 
-    authorized = rank + [("rrpc-token", TOKEN)]
+    authorized = {"metadata": rank, "token": TOKEN}
     malformed = {
         "absurd envelope size": struct.pack("<I", 0xFFFFFFF0) + b"\0" * 64,
         "unparseable envelope": _frame(CALL, 1, b"", envelope_bytes=b"\xff" * 12),
     }
     for name, packet in malformed.items():
-        frames, error = _raw_exchange(address, [packet], authorized)
+        frames, error = _raw_exchange(address, [packet], **authorized)
         seen[name] = {"error": error, "replies": len(frames)}
         seen[f"after {name}"] = _outcome(rrpc.rpc_sync, "worker1", _whoami)
 
@@ -163,7 +212,7 @@ def _hostile_bytes(address, marker_dir):
             _frame(77, 6, b"\x80\x05N."),  # kind 77 does not exist; payload None
             _encoded_call(_whoami, (), request_id=7),
         ],
-        authorized,
+        **authorized,
         replies_wanted=3,
     )
     seen["bad contents"] = {
@@ -178,7 +227,7 @@ def _hostile_bytes(address, marker_dir):
 
     # A frame that stops half way, then the caller goes away.
     truncated = _frame(CALL, 8, b"\x80\x05" + b"x" * 100)[:40]
-    frames, error = _raw_exchange(address, [truncated], authorized, timeout=0.5)
+    frames, error = _raw_exchange(address, [truncated], **authorized, timeout=0.5)
     seen["truncated"] = {"error": error, "replies": len(frames)}
     seen["after truncated"] = _outcome(rrpc.rpc_sync, "worker1", _whoami)
     return seen
@@ -250,7 +299,8 @@ def _security_world(rank, world_size, marker_dir, in_shutdown):
         frames, error = _raw_exchange(
             address,
             [_encoded_call(_whoami, ())],
-            [("rrpc-rank", "99"), ("rrpc-token", TOKEN)],
+            [("rrpc-rank", "99")],
+            token=TOKEN,
         )
         seen["stranger during shutdown barrier"] = {
             "replies": [codec.loads(f) for f in frames],
@@ -298,12 +348,21 @@ def test_worker_rejects_callers_whose_token_does_not_match_its_own(world):
         assert "worker2" in seen["message"]
 
 
-@pytest.mark.parametrize("token", ["none", "wrong"])
+@pytest.mark.parametrize("token", [case for case in _TOKEN_CASES if case != "right"])
 def test_request_without_the_right_token_is_refused_before_its_payload_is_unpickled(world, token):
+    # Also the token itself in plain metadata (as it travelled before the
+    # handshake), and the metadata and proof of a real exchange replayed.
     seen = world[0][f"token {token}"]
     assert seen["error"] == {"code": "UNAUTHENTICATED", "details": "wrong or missing auth token"}
     assert seen["replies"] == []
     assert seen["marker exists"] is False
+
+
+def test_the_recorded_exchange_holds_no_trace_of_the_token(world):
+    metadata, proof = world[0]["token replayed"]["recorded"]
+    recorded = repr(metadata).encode() + proof
+    assert TOKEN.encode() not in recorded
+    assert TOKEN.encode().hex().encode() not in recorded
 
 
 def test_the_marker_payload_does_create_its_file_when_the_token_is_right(world):

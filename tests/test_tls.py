@@ -19,8 +19,11 @@ def _openssl(*args, cwd):
 
 @pytest.fixture(scope="module")
 def certificates(tmp_path_factory):
-    """A CA and one worker certificate for 127.0.0.1, signed by it (PEM files)."""
-    folder = tmp_path_factory.mktemp("tls")
+    return make_certificates(tmp_path_factory.mktemp("tls"))
+
+
+def make_certificates(folder):
+    """A CA and one worker certificate for 127.0.0.1, signed by it (PEM files in `folder`)."""
     _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
              "-subj", "/CN=rrpc-test-ca", "-keyout", "ca.key", "-out", "ca.pem",
              cwd=folder)  # fmt: skip
