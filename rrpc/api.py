@@ -10,12 +10,14 @@ import contextlib
 import enum
 import math
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from rrpc import agent as agent_module
+from rrpc import codec, functions
 from rrpc.agent import Agent, Deferred, current_agent
 from rrpc.functions import async_result_error, callable_name, is_async_execution
 from rrpc.messages import CALL, RpcError, WorkerInfo
@@ -91,11 +93,12 @@ def init_rpc(
             rank, world_size, options.init_method
         )
         rendezvous = Rendezvous(rank, world_size, store_host, store_port, options.init_timeout)
+        _set_restricted(options.restricted)
         agent = None
         try:
             agent = Agent(name, rank, advertise_host(store_host, options.advertise_host), options)
             # Every handler is in place before any peer can learn our address.
-            agent.register(CALL, _run_call)
+            agent.register(CALL, _run_restricted_call if options.restricted else _run_call)
             for start in agent_module.on_start:
                 start(agent)
             for info, address, advertised in rendezvous.exchange(
@@ -131,18 +134,23 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
         if agent is None:
             raise RpcError("RPC has not been initialized: nothing to shut down")
         rendezvous = _rendezvous
+        # One deadline for every step, so that shutdown(timeout=T) ends within T.
+        deadline = time.monotonic() + timeout if timeout > 0 else math.inf
         try:
             if graceful:
-                limit = timeout if timeout > 0 else math.inf
                 for drain in agent_module.on_drain:
-                    drain(limit)
-                if not agent.wait_idle(limit):
+                    drain(_remaining(deadline))
+                if not agent.wait_idle(_remaining(deadline)):
                     raise RpcError(
                         f"shutdown of {agent.info.name}: calls still pending after {timeout:g} s"
                     )
                 if rendezvous is not None:
                     rendezvous.barrier(
-                        "shutdown", timeout, gone=agent.all_unreachable, suspects=agent.suspects
+                        "shutdown",
+                        timeout,
+                        gone=agent.all_unreachable,
+                        suspects=agent.suspects,
+                        deadline=deadline,
                     )
         finally:
             agent.stop(graceful)
@@ -151,7 +159,11 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
             agent_module.set_current_agent(None)
             _rendezvous = None
             if rendezvous is not None:
-                rendezvous.close(timeout=10.0 if graceful else 0.0)
+                rendezvous.close(timeout=min(10.0, _remaining(deadline)) if graceful else 0.0)
+
+
+def _remaining(deadline: float) -> float:
+    return max(0.0, deadline - time.monotonic()) if deadline != math.inf else math.inf
 
 
 @atexit.register
@@ -178,6 +190,18 @@ def _stop_before_threads_are_joined() -> None:
     if register is not None:
         register(_stop_at_exit)
         _registered_before_joins = True
+
+
+def _set_restricted(on: bool) -> None:
+    """Restricted mode (``RpcBackendOptions.restricted``) for this process's
+    agent: chosen once here, so that the default path pays nothing for it."""
+    functions.restricted = on
+    codec.set_restricted(on)
+
+
+def _run_restricted_call(payload: tuple, caller: WorkerInfo) -> Any:
+    functions.check_call(payload[0])
+    return _run_call(payload, caller)
 
 
 def _run_call(payload: tuple, caller: WorkerInfo) -> Any:

@@ -216,6 +216,7 @@ class Rendezvous:
         timeout: float,
         gone: Callable[[list[int]], bool] | None = None,
         suspects: set[int] | frozenset[int] = frozenset(),
+        deadline: float = math.inf,
     ) -> None:
         """Wait until every rank arrives (``timeout`` 0: no limit); or, with
         ``gone``, until every rank that has not arrived is one that ``gone``
@@ -233,8 +234,10 @@ class Rendezvous:
         raises saying so otherwise."""
         if self.world_size is None:
             return
+        if deadline != math.inf:  # no store request may outlast the caller's deadline
+            self.store.set_timeout(timedelta(seconds=max(0.5, deadline - time.monotonic())))
         try:
-            self._barrier(tag, timeout, gone, suspects)
+            self._barrier(tag, timeout, gone, suspects, deadline)
         except (dist.DistError, ConnectionError) as exc:
             others = [rank for rank in range(self.world_size) if rank != self.rank]
             if gone is not None and gone(others):
@@ -261,13 +264,15 @@ class Rendezvous:
         timeout: float,
         gone: Callable[[list[int]], bool] | None,
         suspects: set[int] | frozenset[int],
+        deadline: float = math.inf,
     ) -> None:
         assert self.world_size is not None
         self.store.set(f"{self.prefix}{tag}/{self.rank}", "1")
         counter = f"{self.prefix}{tag}/arrived"
         arrived = self.store.add(counter, 1)
         start = time.monotonic()
-        deadline = start + timeout if timeout > 0 else math.inf
+        if timeout > 0:
+            deadline = min(deadline, start + timeout)
         next_probe = start + (0.0 if suspects else 5.0)
         poll = threading.Event()  # never set: a timed wait between polls
         while arrived < self.world_size:

@@ -582,7 +582,11 @@ def test_pickle_of_the_two_arg_error_really_fails_to_load():
 def _call_the_peer_that_freezes(rank, world_size, ready, frozen, measured, resumed, done):
     rrpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size)
     if rank != 0:
-        assert done.wait(120)
+        # worker1 waits on `resumed`, which only it and worker0 wait on after
+        # SIGCONT: a process stopped inside an Event's lock blocks its waiters.
+        assert (resumed if rank == 1 else done).wait(120)
+        if rank == 1:
+            assert done.wait(120)
         rrpc.shutdown()
         return None
     pending = [rrpc.rpc_async("worker1", _block_until_killed) for _ in range(2)]
@@ -626,3 +630,47 @@ def test_a_frozen_peer_fails_pending_calls_within_ten_seconds_and_is_usable_afte
         assert outcome["after"] < 10.0, outcome
     assert seen["survivor after"]["value"] == "worker2"
     assert seen["after resume"]["value"] == "worker1"
+
+
+# -- Shutdown around a frozen peer ------------------------------------------------
+
+
+def _shutdown_beside_a_frozen_peer(rank, world_size, ready, frozen, done, release, limit):
+    rrpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size)
+    if rank == 1:  # frozen by the test, then let go; it leaves without a barrier
+        ready.set()
+        # Only this worker waits on `release`: a process stopped while it holds
+        # an Event's internal lock would block every other waiter of that Event.
+        assert release.wait(120)
+        rrpc.shutdown(graceful=False)
+        return None
+    assert frozen.wait(60)
+    start = time.monotonic()
+    outcome = _outcome(rrpc.shutdown, timeout=limit)
+    outcome["took"] = time.monotonic() - start
+    done.set()
+    return outcome
+
+
+@pytest.mark.timeout(120)
+def test_shutdown_with_a_timeout_returns_or_raises_within_it_beside_a_frozen_peer():
+    # Measured before: shutdown(timeout=4) took 14 s (the barrier's 4 s, then
+    # 10 s waiting for ranks to leave the store).
+    ready, frozen, done, release = (mp_context.Event() for _ in range(4))
+    limit = 4.0
+    args = (ready, frozen, done, release, limit)
+    with WorkerGroup(_shutdown_beside_a_frozen_peer, 3, args=args, init=False) as group:
+        assert ready.wait(60)
+        group.send_signal(1, signal.SIGSTOP)
+        frozen.set()
+        try:
+            done.wait(60)
+        finally:
+            group.send_signal(1, signal.SIGCONT)
+            release.set()
+        results = group.wait(timeout=60)
+    for rank in (0, 2):
+        assert results[rank]["took"] < limit + 2.0, results[rank]
+        if "type" in results[rank]:  # it may also pass, with worker1 confirmed gone
+            assert results[rank]["type"] == "RpcError", results[rank]
+            assert "[1]" in results[rank]["message"], results[rank]
