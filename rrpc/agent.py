@@ -180,7 +180,7 @@ def rebuild_remote_exception(payload: tuple) -> BaseException:
     exc: BaseException | None = None
     if blob is not None:
         try:
-            exc = pickle.loads(blob)
+            exc = codec.unpickle(blob)  # restricted mode: only safe classes
         except Exception:
             exc = None
     if not isinstance(exc, BaseException):

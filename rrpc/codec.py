@@ -32,6 +32,11 @@ Rules:
 - With an auth token, each direction of a stream opens with a HANDSHAKE frame
   (``handshake_frame``; see ``auth.py``): an envelope alone, which
   ``read_handshake`` reads strictly, before anything else the peer sent.
+- Restricted mode (``set_restricted``, chosen once at ``init_rpc``): payloads
+  are unpickled by ``_RestrictedUnpickler``, which accepts only safe globals
+  and refuses the rest by name before importing or running anything; see
+  "Restricted unpickling" below for what is accepted and why (torch's own
+  tensor reducers are not). The default path is ``pickle.loads``, unchanged.
 - The pickle hooks of upper layers (RRefs need to know where they travel,
   distributed autograd must see tensors that require grad) read
   ``current_peer()`` and the tensor hook that ``loads`` installs; a reducer
@@ -40,6 +45,7 @@ Rules:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import pickle
@@ -174,7 +180,7 @@ def _rebuild_tensor(buffer: Any, dtype_index: int, shape: tuple, requires_grad: 
             tensor = torch.from_numpy(buffer).view(DTYPES[dtype_index]).reshape(shape)
     else:
         if not isinstance(buffer, torch.Tensor):  # in band (e.g. pickled to a file)
-            buffer = torch.frombuffer(bytearray(buffer), dtype=torch.uint8)
+            buffer = torch.frombuffer(bytearray(memoryview(buffer)), dtype=torch.uint8)
         # A shared-memory slot: torch views keep the uint8 tensor (whose
         # release frees the slot) alive; numpy views would skip it for the map.
         tensor = buffer.view(DTYPES[dtype_index]).reshape(shape)
@@ -525,7 +531,7 @@ def loads_waiting(
     waits: list[Any] = []
     _state.peer, _state.tensor_hook, _state.waits = peer, tensor_hook, waits
     try:
-        return pickle.loads(frame.payload, buffers=frame.buffers), waits
+        return _unpickle(frame.payload, buffers=frame.buffers), waits
     except Exception as exc:
         hint = ""
         if isinstance(exc, AttributeError):  # a function or class this side lacks
@@ -536,6 +542,175 @@ def loads_waiting(
         raise SerializationError(f"cannot unpickle a message from {peer}: {exc!r}{hint}") from exc
     finally:
         _state.peer, _state.tensor_hook, _state.waits = previous
+
+
+# -- Restricted unpickling ---------------------------------------------------------
+# What a peer's pickle may name in restricted mode (``set_restricted``). A pickle
+# runs code only through the globals it names (REDUCE calls them, BUILD calls
+# their instances' ``__setstate__``): refusing every global but these, before
+# it is imported or looked up, leaves a peer nothing to run but safe
+# constructors, rrpc's rebuild functions and what the worker exposed.
+#
+# Decisions:
+# - Tensors: only rrpc's own rebuild functions (``_rebuild_*`` above), which
+#   check what they build (``reshape``/``as_strided`` are bounds-checked by
+#   torch, sparse invariants are checked). Torch's own reducers are refused:
+#   ``torch._utils._rebuild_*`` take storages that torch pickles through
+#   ``torch.storage._load_from_bytes``, i.e. a nested ``torch.load`` with
+#   ``weights_only=False``, which runs any pickle. So tensors that rrpc does
+#   not reduce itself (quantized, tensor subclasses, exotic layouts or dtypes)
+#   cannot travel in restricted mode. A BUILD on a tensor reaches
+#   ``Tensor.__setstate__`` (``set_`` over another tensor), which torch
+#   bounds-checks.
+# - Exceptions: builtin exception classes and rrpc's own arrive as they are; any
+#   other exception class (if its module is loaded here) arrives as a
+#   ``RemoteError`` naming it, built from its arguments' text, and is never
+#   instantiated.
+# - torch's optimizer classes (``torch.optim``): accepted, as
+#   ``DistributedOptimizer`` sends them; constructing one runs no peer code.
+# - ``builtins.getattr`` (how pickle names classmethods and torch's builtin
+#   functions, ``torch.add``) is replaced by a getattr on a class that returns
+#   only what is exposed or rrpc-internal.
+# - Nothing is imported to answer a pickle: a global whose module this worker
+#   has not imported is refused, and names are looked up in ``__dict__``s, so
+#   no module ``__getattr__`` nor descriptor runs.
+class RefusedGlobalError(pickle.UnpicklingError):
+    """Restricted mode refused a global a pickle named."""
+
+
+def _refuse(what: str, why: str = "") -> RefusedGlobalError:
+    return RefusedGlobalError(
+        f"restricted mode refuses to unpickle {what}{why}: only tensors, builtin containers "
+        "and scalars, torch dtypes/devices/sizes, WorkerInfo, RRefs, exceptions and what "
+        "rrpc.functions.expose registered on this worker may travel (expose a function or "
+        "class of yours with @rrpc.functions.expose)"
+    )
+
+
+_MISSING = object()
+
+
+def _lookup(namespace: Any, qualname: str) -> Any:
+    """``namespace.a.b`` through ``__dict__``s only (no ``__getattr__``, no descriptors)."""
+    found = namespace
+    for part in qualname.split("."):
+        mapping = getattr(found, "__dict__", None) if isinstance(found, type) else None
+        if isinstance(found, types.ModuleType):
+            mapping = found.__dict__
+        if mapping is None:
+            return _MISSING
+        owner, found = found, mapping.get(part, _MISSING)
+        if found is _MISSING:
+            return _MISSING
+        if isinstance(found, staticmethod):
+            found = found.__func__
+        elif isinstance(found, classmethod):
+            found = found.__get__(None, owner)
+    return found
+
+
+def _stand_in_error(type_name: str, *args: Any) -> BaseException:
+    """An exception of a class restricted mode does not build: a RemoteError."""
+    from rrpc.messages import RemoteError
+
+    text = str(args[0]) if len(args) == 1 else ", ".join(map(str, args))
+    return RemoteError(type_name, text)
+
+
+def _restricted_getattr(owner: Any, name: Any) -> Any:
+    from rrpc.functions import is_exposed, is_internal_call
+
+    if isinstance(owner, type) and isinstance(name, str):
+        value = getattr(owner, name, _MISSING)
+        if is_exposed(value) or is_internal_call(value):
+            return value
+    where = f"{getattr(owner, '__module__', '?')}.{getattr(owner, '__qualname__', '?')}"
+    raise _refuse(f"the attribute {where}.{name}", " (not exposed)")
+
+
+_safe_globals: dict[tuple[str, str], Any] = {}
+
+
+def _build_safe_globals() -> dict[tuple[str, str], Any]:
+    import builtins
+    import collections
+
+    from rrpc import messages, rref
+    from rrpc.functions import _internal_calls
+    from rrpc.nn.api import remote_module
+
+    safe: list[Any] = [
+        list, tuple, dict, set, frozenset, str, bytes, bytearray, int, float, bool, complex,
+        slice, range, collections.OrderedDict, torch.device, torch.Size,
+        _rebuild_tensor, _rebuild_strided, _rebuild_parameter, _rebuild_sparse,
+        messages.WorkerInfo, rref._rebuild, rref._Failed, remote_module._remote_module_receiver,
+    ]  # fmt: skip
+    safe += [f for f in vars(remote_module._GeneratedMethods).values() if callable(f)]
+    safe += _internal_calls().values()
+    table = {(getattr(f, "__module__", "builtins"), f.__qualname__): f for f in safe}
+    table[("builtins", "getattr")] = _restricted_getattr
+    # How torch pickles a torch.layout: a lookup of torch's layouts by name.
+    table[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
+    table[("torch._C", "_VariableFunctionsClass")] = torch._C._VariableFunctionsClass  # type: ignore[attr-defined]
+    for name, value in vars(builtins).items():
+        if isinstance(value, type) and issubclass(value, BaseException):
+            table[("builtins", name)] = value
+    for name, value in vars(torch).items():
+        if isinstance(value, torch.dtype | torch.layout | torch.memory_format):
+            table[("torch", name)] = value
+    return table
+
+
+def _restricted_global(module: str, name: str) -> Any:
+    from rrpc.functions import is_exposed
+
+    what = f"the global {module}.{name}"
+    found = sys.modules.get(module)
+    if found is None:
+        raise _refuse(what, f" (module {module} is not imported on this worker)")
+    found = _lookup(found, name)
+    if found is _MISSING:
+        raise _refuse(what, " (no such name)")
+    if is_exposed(found):
+        return found
+    if isinstance(found, type):
+        if issubclass(found, BaseException):
+            if module.startswith("rrpc."):
+                return found
+            return functools.partial(_stand_in_error, f"{module}.{name}")
+        if module.startswith("torch.optim.") and issubclass(found, torch.optim.Optimizer):
+            return found
+    raise _refuse(what)
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        found = _safe_globals.get((module, name))
+        return found if found is not None else _restricted_global(module, name)
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise RefusedGlobalError("restricted mode refuses persistent ids in a pickle")
+
+
+def _restricted_loads(data: Any, *, buffers: Any = None) -> Any:
+    return _RestrictedUnpickler(io.BytesIO(data), buffers=buffers).load()
+
+
+_unpickle: Callable[..., Any] = pickle.loads  # what loads() unpickles with
+
+
+def set_restricted(on: bool) -> None:
+    """Unpickle every message from now on with (or without) restrictions."""
+    global _unpickle
+    if on and not _safe_globals:
+        _safe_globals.update(_build_safe_globals())
+    _unpickle = _restricted_loads if on else pickle.loads
+
+
+def unpickle(data: bytes) -> Any:
+    """Unpickle bytes a peer sent inside a message (an error reply's exception),
+    with the restrictions messages have."""
+    return _unpickle(data)
 
 
 def _declared_size(envelope: Envelope) -> int:
@@ -677,7 +852,15 @@ class FrameReader:
                     raise ProtocolError(
                         "shared-memory buffer on a stream that does not accept them"
                     )
-                self._buffers.append(self._attach(envelope.shared_buffers[index]))
+                if sizes[index]:  # its bytes would be read as the next buffer or frame
+                    raise ProtocolError(
+                        f"shared-memory buffer {index} also has {sizes[index]} bytes in the stream"
+                    )
+                try:
+                    tensor = self._attach(envelope.shared_buffers[index])
+                except Exception as exc:  # refused, or nothing to map there
+                    raise ProtocolError(f"bad shared-memory descriptor: {exc}") from exc
+                self._buffers.append(tensor)
                 self._target = None
                 continue
             buffer = np.empty(sizes[index], dtype=np.uint8)

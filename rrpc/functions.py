@@ -1,12 +1,38 @@
-"""Decorators for functions called over RPC."""
+"""Decorators for functions called over RPC; what restricted mode lets peers call.
+
+Restricted mode (``RpcBackendOptions(restricted=True)``, env ``RRPC_RESTRICTED=1``)
+runs only what a worker exposed, and unpickles only safe types (``codec.py``):
+
+- ``expose(fn)`` registers a function (plain, ``staticmethod``/``classmethod``,
+  ``async_execution``, stacked in either order) as callable by peers.
+- ``expose(cls)`` registers a class: peers may send and receive its instances,
+  construct it (``remote(owner, cls, ...)``, ``rpc_sync(to, cls, ...)``) and call
+  its public methods (names without a leading ``_``, inherited ones included)
+  through RRef proxies (``rref.rpc_sync().method()``). A method exposed on its
+  own is callable through proxies whatever its class. Subclasses of an exposed
+  class are not exposed. ``expose(torch.add)`` or ``expose(nn.Linear)`` expose
+  things one cannot decorate.
+- Registration is per process, by the object itself: the callee must import
+  the module that defines (or exposes) it before peers call it.
+- rrpc's own helpers that it sends itself (RRef proxies, distributed autograd,
+  ``DistributedOptimizer``, ``RemoteModule``, the liveness probe) are on an
+  internal allow-list (``_INTERNAL_CALLS``); each of them checks what it is
+  given where that matters (``check_method`` for proxies).
+
+Without restricted mode nothing here is consulted: a peer that passed the auth
+handshake may run any code, as in torch.
+"""
 
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
+
+from rrpc.messages import RpcError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -58,4 +84,120 @@ def async_result_error(func: Any, result: Any) -> RuntimeError | None:
         "Functions decorated with @rpc.async_function must return a torch.futures.Future "
         f"object, but got {type(result).__name__}: {callable_name(func)} is marked "
         "async_execution"
+    )
+
+
+# -- Restricted mode -------------------------------------------------------------
+class NotExposedError(RpcError, PermissionError):
+    """Restricted mode refused to run a function or method a peer named."""
+
+
+# id -> the object expose() registered (kept alive: ids stay unique).
+_exposed: dict[int, Any] = {}
+restricted = False  # this process's agent runs in restricted mode (set by init_rpc)
+
+
+def expose(obj: F) -> F:
+    """Let peers call ``obj`` (a function) or use ``obj`` (a class) when the
+    callee runs in restricted mode; returns ``obj`` unchanged.
+
+    Works on plain functions, on ``staticmethod``/``classmethod`` objects and on
+    ``async_execution`` functions, in either order, and as a plain call for
+    things one cannot decorate (``expose(torch.add)``). On a class it allows its
+    instances to travel and its public methods through RRef proxies.
+
+    Example::
+
+        @rrpc.functions.expose
+        def add(x, y):
+            return x + y
+
+        @rrpc.functions.expose
+        class Counter:
+            def increment(self): ...
+    """
+    target = obj.__func__ if isinstance(obj, staticmethod | classmethod) else obj
+    if not callable(target):
+        raise TypeError(f"expose() takes a function or a class, not {type(obj).__name__}")
+    _exposed[id(target)] = target
+    return obj
+
+
+def is_exposed(obj: Any) -> bool:
+    """Whether ``obj`` was exposed: itself, the function of a bound classmethod,
+    or a function it wraps (``functools.wraps``, as ``async_execution`` does)."""
+    for _ in range(8):
+        if id(obj) in _exposed and _exposed[id(obj)] is obj:
+            return True
+        if isinstance(obj, types.MethodType):
+            obj = obj.__func__
+        elif isinstance(obj, types.FunctionType):
+            obj = obj.__dict__.get("__wrapped__")
+        else:
+            return False
+    return False
+
+
+def _internal_calls() -> dict[int, Any]:
+    """The functions rrpc itself names in CALL / remote() messages."""
+    from rrpc import optim, rref
+    from rrpc.nn.api import remote_module
+
+    functions: list[Any] = [
+        int,  # the agent's liveness probe
+        rref._invoke_on_owner,  # checks the method: check_method
+        rref._backward_on_owner,
+        rref._type_of,
+        optim._new_local_optimizer,
+        optim._local_optimizer_step,
+        remote_module._create_module,  # the module class must be exposed to arrive
+        remote_module._param_rrefs,
+        remote_module._train,
+        remote_module._eval,
+        remote_module._forward_on_owner,
+        remote_module.RemoteModule.init_from_module_rref,
+    ]
+    return {id(function): function for function in functions}
+
+
+_INTERNAL_CALLS: dict[int, Any] = {}
+
+
+def is_internal_call(func: Any) -> bool:
+    if not _INTERNAL_CALLS:
+        _INTERNAL_CALLS.update(_internal_calls())
+    return _INTERNAL_CALLS.get(id(func)) is func
+
+
+def _how_to_expose(name: str) -> str:
+    return (
+        f"decorate it with @rrpc.functions.expose (or call rrpc.functions.expose({name})) "
+        "in a module the callee imports"
+    )
+
+
+def check_call(func: Any, where: str = "") -> None:
+    """In restricted mode: raise ``NotExposedError`` unless ``func`` may run."""
+    if is_exposed(func) or is_internal_call(func):
+        return
+    name = f"{getattr(func, '__module__', '?')}.{callable_name(func)}"
+    raise NotExposedError(
+        f"restricted mode{where}: {name} is not exposed for remote calls; {_how_to_expose(name)}"
+    )
+
+
+def check_method(value: Any, method: str) -> None:
+    """In restricted mode: an RRef proxy may call ``value.method`` only when the
+    value's class is exposed and ``method`` is public, or the method itself is
+    exposed."""
+    cls = type(value)
+    if not method.startswith("_") and is_exposed(cls):
+        return
+    if is_exposed(getattr(cls, method, None)):
+        return
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    raise NotExposedError(
+        f"restricted mode: method {method!r} of {name} is not exposed for RRef proxy calls; "
+        f"expose the class (rrpc.functions.expose on {cls.__qualname__}: its public methods) "
+        f"or the method itself"
     )

@@ -53,6 +53,10 @@ class RpcBackendOptions:
             ping unanswered for the other half ends the stream.
         run_inline: let the thread that read a lone request run it instead of
             handing it to a pool thread (env ``RRPC_INLINE``).
+        restricted: run only functions and classes exposed with
+            ``rrpc.functions.expose`` and unpickle only safe types, for networks
+            whose authenticated peers are not trusted to run code (env
+            ``RRPC_RESTRICTED``; see ``rrpc/functions.py``).
         tls_cert_file / tls_key_file / tls_ca_file: PEM files; when all are set,
             every stream is TLS with client certificates checked against the CA.
         devices / device_maps: accepted for compatibility; rrpc moves tensors
@@ -76,6 +80,7 @@ class RpcBackendOptions:
     run_inline: bool = field(default_factory=lambda: _env_flag("RRPC_INLINE", True))
     peer_timeout: float = field(default_factory=lambda: _env_float("RRPC_PEER_TIMEOUT", 8.0))
     rref_delete_delay: float = field(default_factory=lambda: _env_float("RRPC_DELETE_DELAY", 5e-3))
+    restricted: bool = field(default_factory=lambda: _env_flag("RRPC_RESTRICTED", False))
     tls_cert_file: str | None = field(default_factory=lambda: os.environ.get("RRPC_TLS_CERT"))
     tls_key_file: str | None = field(default_factory=lambda: os.environ.get("RRPC_TLS_KEY"))
     tls_ca_file: str | None = field(default_factory=lambda: os.environ.get("RRPC_TLS_CA"))

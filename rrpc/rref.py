@@ -60,7 +60,7 @@ import torch
 
 from rrpc import agent as agent_module
 from rrpc import autograd as dist_autograd
-from rrpc import codec
+from rrpc import codec, functions
 from rrpc.agent import Agent, Deferred, SyncReply
 from rrpc.functions import (
     async_execution,
@@ -457,6 +457,8 @@ def _evaluate_into(
     Returns None when ``future`` is set, or a Deferred that completes once an
     ``async_execution`` function's future has set it."""
     try:
+        if functions.restricted:
+            functions.check_call(func)
         result = func(*args, **kwargs)
     except BaseException as exc:
         future.set_result(_kept(exc))
@@ -945,7 +947,10 @@ def _invoke_on_owner(
 ) -> torch.futures.Future:
     """On the owner: ``getattr(value, method)(*args, **kwargs)``, as a Future so
     that an ``async_execution`` method's reply waits for its own Future."""
-    bound = getattr(_owner_rref(target).local_value(), method)
+    value = _owner_rref(target).local_value()
+    if functions.restricted:
+        functions.check_method(value, method)
+    bound = getattr(value, method)
     if is_async_execution(bound):
         return bound(*args, **kwargs)
     # An error is raised here, not set on the Future: see the rules.

@@ -48,7 +48,7 @@ from typing import Any
 
 import grpc
 
-from rrpc import auth, codec
+from rrpc import auth, codec, logs
 from rrpc.futures import mark_transport_thread
 from rrpc.messages import AuthenticationError, PeerUnavailableError
 
@@ -512,6 +512,7 @@ class Server:
         try:
             peer_rank = int(metadata.get("rrpc-rank", "-1"))
         except ValueError:
+            self._refuse(context, "refused:rank", "rrpc-rank is not a number")
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "rrpc-rank is not a number")
         requests: Iterator[bytes] = request_iterator
         if self._token is not None:
@@ -520,11 +521,18 @@ class Server:
                 return  # the caller went away before it proved itself
             requests = checked
         elif auth.NONCE_KEY in metadata:
+            self._refuse(
+                context, "refused:no-token", "it requires an auth token, this worker has none"
+            )
             context.abort(
                 grpc.StatusCode.UNAUTHENTICATED,
                 "the callee has no auth token, and the caller requires one",
             )
         outbox = Outbox(self._packet_size, *self._batching)
+        # A caller that half-closed is no longer read from: if it then goes
+        # away with requests unanswered, only this ends the stream (and frees
+        # its thread).
+        context.add_callback(outbox.end)
         self._outboxes.add(outbox)
         attach = functools.partial(self._attach, peer_rank) if self._attach else None
         reader = codec.FrameReader(self._max_message_size, attach)
@@ -543,6 +551,7 @@ class Server:
         try:
             yield from outbox.packets()
         except Exception as exc:
+            self._refuse(context, f"bad-frame:{type(exc).__name__}", f"malformed frame: {exc}")
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed frame: {exc}")
         finally:
             self._outboxes.discard(outbox)
@@ -564,27 +573,52 @@ class Server:
         except ValueError:
             caller_nonce = b""
         if len(caller_nonce) != auth.NONCE_SIZE:
+            self._refuse(
+                context, "refused:nonce", f"{_REFUSED} (no valid auth nonce in its metadata)"
+            )
             context.abort(grpc.StatusCode.UNAUTHENTICATED, _REFUSED)
         binding = auth.Binding(peer_rank, self._rank, self.address, caller_nonce, auth.new_nonce())
         yield codec.handshake_frame(binding.callee_nonce, self._token.proof(auth.CALLEE, binding))
         # A caller that never answers holds this thread no longer than this.
-        timer = threading.Timer(SERVER_HANDSHAKE_TIMEOUT, context.cancel)
+        expired = threading.Event()
+        timeout = SERVER_HANDSHAKE_TIMEOUT
+
+        def expire() -> None:
+            expired.set()
+            context.cancel()
+
+        timer = threading.Timer(timeout, expire)
         timer.daemon = True
         timer.start()
         try:
             first = next(requests)
         except Exception:  # the caller went away (or the timer cancelled the stream)
+            if expired.is_set():
+                self._refuse(context, "refused:timeout", f"no auth handshake within {timeout:g} s")
             return None
         finally:
             timer.cancel()
         try:
             handshake, rest = codec.read_handshake(first)
-        except codec.ProtocolError:
-            handshake, rest = None, b""
+            reason = "wrong auth proof: it does not know the token"
+        except codec.ProtocolError as exc:
+            handshake, rest, reason = None, b"", f"no auth handshake: {exc}"
         del first
         if handshake is None or not self._token.verify(auth.CALLER, binding, handshake.proof):
+            self._refuse(context, "refused:proof", f"{_REFUSED} ({reason})")
             context.abort(grpc.StatusCode.UNAUTHENTICATED, _REFUSED)
         return itertools.chain((rest,), requests) if rest else requests
+
+    def _refuse(self, context: grpc.ServicerContext, kind: str, reason: str) -> None:
+        """Log a stream this worker refused or ended (``logs.event``: one line
+        per kind of event and peer host per interval, never one per stream;
+        ``kind`` tells reasons apart, so a flood of one hides no other)."""
+        peer = context.peer()  # e.g. "ipv4:127.0.0.1:54321"
+        host = peer.rsplit(":", 1)[0]  # each stream comes from a new port
+        logs.event(
+            kind, host, "%s: stream from %s (claims rank %s) ended: %s",
+            self.address, peer, dict(context.invocation_metadata()).get("rrpc-rank", "?"), reason,
+        )  # fmt: skip
 
     def stop(self, grace: float | None = 1.0) -> None:
         for outbox in list(self._outboxes):

@@ -23,6 +23,7 @@ Run (one command; it starts the server and the trainers on this machine):
     python examples/param_server/main.py --framework torch    # the same on torch.distributed.rpc
     python examples/param_server/main.py --smoke              # a few seconds
     torchrun --nproc-per-node 3 examples/param_server/main.py # 1 server + 2 trainers
+    RRPC_RESTRICTED=1 python examples/param_server/main.py    # peers run only what is exposed
 
 It prints one line per epoch (train loss, test accuracy, samples/s) and a
 summary, and writes metrics.json and curves.png to --out
@@ -46,6 +47,11 @@ from common import framework_from_argv, launch, plot, rpc_framework, summary, wr
 
 # `--framework torch` runs this same file on torch.distributed.rpc, the API rrpc mirrors.
 rpc, dist_autograd, DistributedOptimizer = rpc_framework(framework_from_argv())
+# rrpc's restricted mode (RRPC_RESTRICTED=1) runs only what a worker exposed;
+# torch.distributed.rpc has no such mode, and there this is a no-op.
+expose = getattr(rpc.functions, "expose", lambda obj: obj)
+# The trainers get the run's settings as an argparse.Namespace.
+expose(argparse.Namespace)
 
 
 def load_data(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -73,6 +79,7 @@ def make_model(hidden: int) -> nn.Module:
 # -- The parameter server (rank 0) ----------------------------------------------
 
 
+@expose  # its public methods are called through RRef proxies
 class ParameterServer:
     def __init__(self, args: argparse.Namespace, num_trainers: int):
         torch.manual_seed(args.seed)
@@ -105,6 +112,7 @@ class ParameterServer:
             return [p.detach().clone() for p in self.model.parameters()]
 
     @staticmethod
+    @expose  # called with rpc_sync, not through a proxy
     @rpc.functions.async_execution
     def update_and_fetch_model(ps_rref, grads: list[torch.Tensor]) -> torch.futures.Future:
         self = ps_rref.local_value()
@@ -133,6 +141,7 @@ class ParameterServer:
 # -- A trainer (ranks 1..N) ------------------------------------------------------
 
 
+@expose
 class Trainer:
     """Lives on a trainer rank; the server drives it through an RRef."""
 
@@ -257,6 +266,7 @@ def run_server(num_trainers: int, args: argparse.Namespace) -> None:
         "example": "param_server",
         "framework": args.framework,
         "mode": args.mode,
+        "restricted": args.restricted,
         "trainers": num_trainers,
         "epochs": args.epochs,
         "batch_size": args.batch_size,
@@ -302,6 +312,7 @@ def main(rank: int, world_size: int, args: argparse.Namespace) -> None:
     options = rpc.TensorPipeRpcBackendOptions(num_worker_threads=16, rpc_timeout=120)
     rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)
     if rank == 0:
+        args.restricted = getattr(options, "restricted", False)
         run_server(world_size - 1, args)
     # Trainers only answer the server's calls; shutdown waits until everyone is done.
     rpc.shutdown()
