@@ -84,6 +84,9 @@ SUBSET: tuple[str, ...] = (
     # ddp
     "DdpUnderDistAutogradTest.test_backward_no_ddp",
     "DdpUnderDistAutogradTest.test_backward_ddp_outside",
-    "DdpComparisonTest.test_ddp_comparison",
+    # DdpComparisonTest.test_ddp_comparison is left to `make conformance`: one
+    # rank hung once in ~40 runs under heavy load (in C++, after its distributed
+    # backward; the others had finished); the cause is not found yet.
+    "DdpComparisonTest.test_ddp_comparison_uneven_inputs",
     "DdpComparisonTest.test_ddp_dist_autograd_local_vs_remote",
 )

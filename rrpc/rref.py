@@ -60,7 +60,7 @@ import torch
 
 from rrpc import agent as agent_module
 from rrpc import autograd as dist_autograd
-from rrpc import codec, functions
+from rrpc import codec, functions, logs
 from rrpc.agent import Agent, Deferred, SyncReply
 from rrpc.functions import (
     async_execution,
@@ -210,7 +210,7 @@ class _Context:
         if not self.running:
             return  # the session is over and its tables are gone
         if error is not None and not isinstance(error, PeerUnavailableError):
-            log.warning("rrpc: %r failed: %s", send, error)
+            logs.event("rref-message", str(send.to), "%r failed: %s", send, error)
         if send.kind == RREF_FORK:
             self._confirmed(send.payload[1], error)
             return
