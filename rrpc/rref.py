@@ -853,6 +853,10 @@ def _rebuild(rref_id: RRefId, owner_rank: int, fork_id: ForkId) -> RRef:
     if ctx is None or sender is None:
         raise RpcError("an RRef can only be unpickled by rrpc, from a message of a running session")
     if owner_rank == ctx.rank:
+        if rref_id[0] != ctx.rank:
+            # A value another worker created here: that worker must exist, or
+            # a placeholder would wait for a CREATE that can never come.
+            ctx.agent.worker_info(rref_id[0])
         with ctx.lock:
             holder, sends = ctx.owners.receive(rref_id, fork_id, sender.id)
         ctx.post(sends)

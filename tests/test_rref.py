@@ -778,3 +778,31 @@ def test_a_missing_method_raises_attribute_error_through_every_proxy(cluster, no
     raised = cluster.run(_missing_method_through_each_proxy)
     assert set(raised) == {"rpc_sync", "rpc_async", "remote"}
     assert all("has no attribute 'no_such_method'" in message for message in raised.values())
+
+
+class _ForgedRRef:
+    """Pickles as an RRef "owned" by worker1 and created by rank 148, which no worker has."""
+
+    def __reduce__(self):
+        from rrpc import rref as rref_module
+
+        return rref_module._rebuild, ((148, 0), 1, (0, 12345))
+
+
+def _call_with_a_forged_rref():
+    try:
+        rrpc.rpc_sync("worker1", _whoami_rref, args=(_ForgedRRef(),), timeout=20)
+    except rrpc.RpcError as error:
+        return type(error).__name__, str(error)
+    return None
+
+
+def _whoami_rref(rref):
+    return rrpc.get_worker_info().name
+
+
+def test_an_rref_id_from_a_rank_that_does_not_exist_is_refused_at_once(cluster):
+    # It used to make the owner wait for a CREATE from rank 148: the call hung.
+    kind, message = cluster.run(_call_with_a_forged_rref)
+    assert kind == "SerializationError"
+    assert "could not find destination worker 148" in message
