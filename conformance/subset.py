@@ -84,9 +84,10 @@ SUBSET: tuple[str, ...] = (
     # ddp
     "DdpUnderDistAutogradTest.test_backward_no_ddp",
     "DdpUnderDistAutogradTest.test_backward_ddp_outside",
-    # DdpComparisonTest.test_ddp_comparison is left to `make conformance`: one
-    # rank hung once in ~40 runs under heavy load (in C++, after its distributed
-    # backward; the others had finished); the cause is not found yet.
-    "DdpComparisonTest.test_ddp_comparison_uneven_inputs",
+    # DdpComparisonTest.test_ddp_comparison(_uneven_inputs) are left to `make
+    # conformance` until a hang is found: sometimes (about 1 run in 3 with every
+    # fast path off, rarely with them on) one rank stays in C++ after its
+    # training loop (gloo teardown) and the others' shutdown barrier never
+    # returns from its liveness probe of that rank.
     "DdpComparisonTest.test_ddp_dist_autograd_local_vs_remote",
 )
