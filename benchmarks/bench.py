@@ -60,6 +60,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import floor  # benchmarks/floor.py: the bare-grpcio floor
 import netns  # benchmarks/netns.py, beside this file (sys.path[0], also in the workers)
 import numpy as np
 import torch
@@ -239,6 +240,16 @@ def echo_tensor(fw: Framework, n: int, nbytes: int) -> dict:
     return {"ms": median * 1e3, "gb_per_s": 2 * nbytes / median / 1e9}
 
 
+def floor_noop(port: int, n: int) -> dict:
+    times = floor.round_trips(port, n, floor.NOOP_BYTES, warmup=max(50, n // 10))
+    return {"p50_us": percentile(times, 50) * 1e6, "p99_us": percentile(times, 99) * 1e6}
+
+
+def floor_echo(port: int, n: int, nbytes: int) -> dict:
+    median = statistics.median(floor.round_trips(port, n, nbytes, ECHO_WARMUP))
+    return {"ms": median * 1e3, "gb_per_s": 2 * nbytes / median / 1e9}
+
+
 def remote_to_here(fw: Framework, n: int) -> dict:
     times = timed_calls(
         lambda: fw.rpc.remote("server", make_small_tensor).to_here(), n, warmup=max(20, n // 10)
@@ -382,15 +393,28 @@ class Workload:
     combine: Callable[[list[dict]], dict] | None = None  # default: the first driver's metrics
     kwargs: dict = field(default_factory=dict)
     veth: bool = False  # client and server on two "hosts" (network namespaces), TCP only
+    # The same work on a bare grpcio stream (floor.py): (port, n, **kwargs) -> the same metrics.
+    floor: Callable[..., dict] | None = None
 
 
 SIDES = ("client", "server")
+FLOOR = "floor"  # the bare-grpcio floor's column (floor.py), beside torch and rrpc
 
 
 def _echo(name: str, n: int, n_quick: int, veth: bool = False) -> Workload:
     row = Row("ms", "round trip", "ms", higher_is_better=False, extra="gb_per_s", extra_unit="GB/s")
     kwargs = {"nbytes": ECHO_SIZES[name]}
-    return Workload(name, echo_tensor, n, n_quick, (row,), kwargs=kwargs, veth=veth)
+    has_floor = name == "echo_4k"
+    return Workload(
+        name,
+        echo_tensor,
+        n,
+        n_quick,
+        (row,),
+        kwargs=kwargs,
+        veth=veth,
+        floor=floor_echo if has_floor else None,
+    )
 
 
 WORKLOADS = [
@@ -400,6 +424,7 @@ WORKLOADS = [
         2000,
         500,
         (Row("p50_us", "rpc_sync p50", "µs", False), Row("p99_us", "rpc_sync p99", "µs", False)),
+        floor=floor_noop,
     ),
     Workload(
         "async_64", async_64, 4000, 1500, (Row("calls_per_s", "64 in flight", "calls/s", True),)
@@ -559,6 +584,44 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def floor_main(workload: Workload, n: int, port: int, results: Any) -> None:
+    """The floor's client process: the workload's floor against the echo server on `port`."""
+    report: dict = {"rank": 0, "metrics": None, "error": None}
+    try:
+        report["metrics"] = workload.floor(port, n, **workload.kwargs)  # type: ignore[misc]
+    except Exception as e:
+        report["error"] = _short_error(e)
+        traceback.print_exc(file=sys.stderr)
+    _exit_with(report, results)
+
+
+def run_floor(workload: Workload, n: int) -> dict:
+    """The workload's floor in two fresh processes (echo server, client); its metrics."""
+    spawn = multiprocessing.get_context("spawn")
+    results = spawn.Queue()
+    ready, stop = spawn.Event(), spawn.Event()
+    port = free_port()
+    server = spawn.Process(target=floor.serve, args=(port, ready, stop), daemon=True)
+    client = spawn.Process(target=floor_main, args=(workload, n, port, results), daemon=True)
+    try:
+        server.start()
+        if not ready.wait(RUN_TIMEOUT_S):
+            return {"error": "the floor's echo server did not start"}
+        client.start()
+        reports = collect_reports([client], results)
+    finally:
+        stop.set()
+        for p in (client, server):
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        results.close()
+    if isinstance(reports, str):
+        return {"error": reports}
+    return {"error": reports[0]["error"]} if reports[0]["error"] else reports[0]["metrics"]
+
+
 def run_once(
     framework: str, workload: Workload, n: int, pair: netns.VethPair | None = None
 ) -> dict:
@@ -567,6 +630,8 @@ def run_once(
     A `veth` workload runs its client (rank 0, which also hosts the rendezvous
     store) on host A of `pair` and its server on host B.
     """
+    if framework == FLOOR:
+        return run_floor(workload, n)
     spawn = multiprocessing.get_context("spawn")
     results = spawn.Queue()
     hosts: list[netns.Host | None] = [None] * len(workload.roles)
@@ -670,6 +735,8 @@ def benchmark(
         return {fw: {"unavailable": reason} for fw in frameworks}
     pair = hosts if isinstance(hosts, netns.VethPair) else None
     n = workload.n_quick if quick else workload.n
+    if workload.floor is not None and frameworks:
+        frameworks = [*frameworks, FLOOR]  # measured in the same interleaved repeats
     runs: dict[str, list[dict]] = {fw: [] for fw in frameworks}
     failed = dict(broken)
     for repeat in range(repeats):
@@ -789,6 +856,9 @@ def print_table(results: dict[str, dict], frameworks: list[str]) -> None:
     both = frameworks == ["torch", "rrpc"] or frameworks == ["rrpc", "torch"]
     if both:
         header = ["workload", "metric", "torch", "rrpc", "speedup (>1 = rrpc better)"]
+    floors = any(FLOOR in by_fw for by_fw in results.values())
+    if floors:
+        header += ["grpcio floor", "rrpc ÷ floor", "torch ÷ floor"]
     lines = []
     for workload in WORKLOADS:
         if workload.name not in results:
@@ -802,12 +872,24 @@ def print_table(results: dict[str, dict], frameworks: list[str]) -> None:
                 cells.append("" if ratio is None else f"{ratio:.2f}×")
             else:
                 cells += [format_cell(by_fw[fw], row) for fw in frameworks]
+            if floors and FLOOR in by_fw:
+                cells.append(format_cell(by_fw[FLOOR], row))
+                for fw in ("rrpc", "torch"):
+                    ratio = speedup(by_fw[FLOOR], by_fw[fw], row) if fw in by_fw else None
+                    cells.append("" if ratio is None else f"{1 / ratio:.2f}×")
+            elif floors:
+                cells += ["", "", ""]
             lines.append(cells)
     widths = [max(len(str(cells[i])) for cells in [header, *lines]) for i in range(len(header))]
     for i, cells in enumerate([header, *lines]):
         print("  ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip())
         if i == 0:
             print("  ".join("-" * w for w in widths))
+    if floors:
+        print(
+            "grpcio floor: the same round trip on a bare grpcio bidi stream (floor.py);"
+            " ÷ floor is time over the floor's time (1.00× = nothing above grpcio)"
+        )
 
 
 # --- main ----------------------------------------------------------------------------
