@@ -2,22 +2,50 @@
 
 Theory of operation:
 
-- ``send(peer, kind, obj, timeout)`` encodes the message, records a pending
-  entry ``request_id -> (future, peer, what, deadline)`` and queues the frame on
-  the one stream this worker keeps to ``peer``. The stream's receive thread
-  completes the future when the REPLY or ERROR with that id comes back.
+- ``send(peer, kind, obj, timeout)`` encodes the message, opens a call in the
+  call table (``calls.CallTable``: request id -> future, peer, deadline,
+  stream) and queues the frame on the one stream this worker keeps to
+  ``peer``. The stream's receive thread completes the future when the REPLY
+  or ERROR with that id comes back.
 - A request frame arriving on the server is decoded and run on the worker
   pool by the handler registered for its kind; the handler's result (or a
   ``Deferred`` future's, for ``async_execution``) goes back as one reply.
-- Exactly one of three things ends a pending entry, whichever pops it first:
-  its reply, its deadline (one thread watches the earliest deadline), or the
-  stream to its peer breaking. Popping is atomic, so a late reply is dropped.
+- Exactly one of three things ends a call, whichever takes it from the table
+  first: its reply, its deadline (one thread sleeps until the earliest
+  deadline), or the stream it went out on breaking. Taking is atomic, so a
+  late reply is dropped. The table decides; the agent completes.
 - Upper layers plug in without the agent importing them: protocol kinds
   register handlers; distributed autograd sets ``autograd_hooks`` to see
   tensors that require grad as they are sent and received.
 
-Locks: none on the per-call path (the pending table is a dict; ids come from
-an atomic counter). ``_connect_lock`` guards opening a peer's stream once.
+Where each job lives: the call table in ``calls.py`` (no I/O, unit-tested
+alone), futures and every wait in ``futures.py``, streams and packets in
+``transport.py``, frames in ``codec.py``; here the peer directory, dispatch,
+the worker pool and the deadline thread.
+
+Threads (ARCHITECTURE.md has the full table, with what each runs). The rule:
+user code (functions, ``then``/``add_done_callback`` callbacks,
+``async_execution`` chains) never runs on a thread the transport needs.
+
+=========================  ===========================  ==========================
+thread                     may block on                 must never run
+=========================  ===========================  ==========================
+caller (the user's)        anything                     -
+``rrpc-recv-<peer>``       the socket                   user code (callbacks go to
+                                                        ``rrpc-callback-*``)
+gRPC request iterator      the outbox, flow control     anything but packing
+``rrpc-stream-*`` (server) the reply outbox             requests
+``rrpc-serve-<rank>-{0,1}``  the socket, or the request   a request while it holds
+                           it runs inline               the read turn
+``rrpc-<name>-<i>`` (pool) anything (a wait for an RPC  -
+                           gives its permit back)
+``rrpc-callback-<n>``      anything                     -
+``rrpc-deadlines``         its condition variable       user code
+``rrpc-rref-<name>``       its event queue              user code
+=========================  ===========================  ==========================
+
+Locks: none on the per-call path (the call table is a dict; ids come from an
+atomic counter). ``_connect_lock`` guards opening a peer's stream once.
 """
 
 from __future__ import annotations
@@ -39,13 +67,15 @@ import grpc
 import torch
 
 from rrpc import codec, logs, messages, shm, transport
+from rrpc.calls import Call, CallTable
 from rrpc.futures import (
     Future,
-    blocking,
+    SyncReply,
     mark_transport_thread,
     on_done,
     set_blocking_hooks,
     settle,
+    wait_until,
 )
 from rrpc.messages import (
     ERROR,
@@ -104,56 +134,6 @@ class PeerStats:
         stats = dict(self.__dict__)
         stats["latency_mean_us"] = 1e6 * self.latency_total / self.replies if self.replies else 0.0
         return stats
-
-
-class SyncReply:
-    """The reply to a call whose caller blocks for it (``rpc_sync``): a bare
-    lock, released when the reply is in; a fraction of a torch Future's cost."""
-
-    __slots__ = ("_arrived", "_value", "_error")
-
-    def __init__(self) -> None:
-        self._arrived = threading.Lock()
-        self._arrived.acquire()
-        self._value: Any = None
-        self._error: BaseException | None = None
-
-    def set_result(self, value: Any) -> None:
-        self._value = value
-        self._arrived.release()
-
-    def set_exception(self, error: BaseException) -> None:
-        self._error = error
-        self._arrived.release()
-
-    def wait_done(self, timeout: float) -> bool:
-        if not self._arrived.acquire(blocking=False):
-            limit = -1 if timeout == math.inf else max(0.0, timeout)
-            if not blocking(self._arrived.acquire, True, limit):
-                return False
-        self._arrived.release()
-        return True
-
-    def wait(self) -> Any:
-        """The value, or raise the error (the reply holds on to neither)."""
-        self.wait_done(math.inf)
-        value, error, self._value, self._error = self._value, self._error, None, None
-        if error is not None:
-            try:
-                raise error
-            finally:
-                del error  # no cycle between this frame and the error's traceback
-        return value
-
-
-@dataclass(slots=True)
-class _Pending:
-    future: torch.futures.Future | SyncReply
-    peer: WorkerInfo
-    what: str
-    deadline: float
-    started: float
-    connection: transport.Connection | None  # the stream it went out on
 
 
 def remote_exception_payload(exc: BaseException, where: str) -> tuple:
@@ -318,14 +298,15 @@ class _WorkerPool:
 
 
 class _Deadlines:
-    """One thread that fails pending calls whose deadline passed.
+    """One thread that fails the calls whose deadline passed.
 
-    It sleeps until the earliest deadline it knows; ``watch`` wakes it only when
-    a new deadline is earlier than that (rare: timeouts are mostly equal).
+    It sleeps until the earliest deadline it knows; ``watch`` wakes it only
+    when a new deadline is earlier than that (the call table says when:
+    timeouts are mostly equal, so rarely).
     """
 
-    def __init__(self, pending: dict[int, _Pending], expire: Callable[[int], None]):
-        self._pending = pending
+    def __init__(self, calls: CallTable, expire: Callable[[Call], None]):
+        self._calls = calls
         self._expire = expire
         self._cond = threading.Condition()
         self._next = math.inf
@@ -351,15 +332,10 @@ class _Deadlines:
                 if self._stopped:
                     return
                 self._next = math.inf  # a watch() during the scan below must notify
-            expired, earliest = [], math.inf
-            for request_id, pending in list(self._pending.items()):
-                if pending.deadline <= now:
-                    expired.append(request_id)
-                else:
-                    earliest = min(earliest, pending.deadline)
-            self.watch(earliest)
-            for request_id in expired:
-                self._expire(request_id)
+            expired = self._calls.expired(now)
+            self.watch(self._calls.earliest())
+            for call in expired:
+                self._expire(call)
 
     def stop(self) -> None:
         with self._cond:
@@ -382,7 +358,7 @@ class Agent:
         self._addresses: dict[int, str] = {}
         # Finds a worker this one does not know yet (dynamic membership): set by init_rpc.
         self.lookup: Callable[[str | int], tuple[WorkerInfo, str, dict] | None] | None = None
-        self._pending: dict[int, _Pending] = {}
+        self.calls = CallTable()  # the calls this worker sent and awaits
         self.suspects: set[int] = set()  # ranks whose stream broke: maybe dead
         self._ids = itertools.count(1)
         self._connections: dict[int, transport.Connection] = {}
@@ -403,7 +379,7 @@ class Agent:
         # Ranks that run our __main__ script: its functions go to them by name.
         self._same_main: set[int] = set()
         self._pool = _WorkerPool(options.num_worker_threads, f"rrpc-{name}")
-        self._deadlines = _Deadlines(self._pending, self._expire)
+        self._deadlines = _Deadlines(self.calls, self._expire)
         self.server = transport.Server(
             host,
             self._on_request,
@@ -554,10 +530,8 @@ class Agent:
         connection = self._connection(peer)
         future: SyncReply | Future = SyncReply() if sync else Future()
         now = time.monotonic()
-        deadline = now + timeout if timeout > 0 else math.inf
-        self._pending[request_id] = _Pending(future, peer, what, deadline, now, connection)
-        if deadline != math.inf:
-            self._deadlines.watch(deadline)
+        if self.calls.open(request_id, future, peer, what, timeout, now, connection):
+            self._deadlines.watch(now + timeout)
         stats = self.peer_stats(peer)
         stats.calls_sent += 1
         stats.bytes_sent += out.size
@@ -598,7 +572,7 @@ class Agent:
 
     def _on_reply(self, peer: WorkerInfo, frame: codec.Frame) -> None:
         envelope = frame.envelope
-        pending = self._pending.pop(envelope.request_id, None)
+        pending = self.calls.settle(envelope.request_id)
         stats = self.peer_stats(peer)
         tensor_bytes = frame.tensor_bytes()
         stats.bytes_received += len(frame.payload) + tensor_bytes
@@ -626,21 +600,12 @@ class Agent:
         else:
             settle(pending.future, value)
 
-    def _fail(self, request_id: int, error: BaseException) -> None:
-        pending = self._pending.pop(request_id, None)
-        if pending is not None:
-            settle(pending.future, error=error)
-
-    def _expire(self, request_id: int) -> None:
-        pending = self._pending.get(request_id)
-        if pending is None:
-            return
-        self.peer_stats(pending.peer).timeouts += 1
-        limit = pending.deadline - pending.started
-        self._fail(
-            request_id,
-            RpcTimeoutError(
-                f"{pending.what} on {pending.peer.name} timed out after {limit:g} s "
+    def _expire(self, call: Call) -> None:
+        self.peer_stats(call.peer).timeouts += 1
+        settle(
+            call.future,
+            error=RpcTimeoutError(
+                f"{call.what} on {call.peer.name} timed out after {call.timeout:g} s "
                 f"(called from {self.info.name}): RPC ran for more than its timeout"
             ),
         )
@@ -671,10 +636,8 @@ class Agent:
             reason: BaseException = RpcError(f"rrpc on {self.info.name} shut down")
         else:
             reason = error or PeerUnavailableError(f"stream to {peer.name} closed")
-        for request_id, pending in list(self._pending.items()):
-            if pending.connection is connection:  # not calls already on a newer stream
-                failure = type(reason)(f"{pending.what} on {peer.name} failed: {reason}")
-                self._fail(request_id, failure)
+        for call in self.calls.broken(connection):  # not calls already on a newer stream
+            settle(call.future, error=type(reason)(f"{call.what} on {peer.name} failed: {reason}"))
 
     # -- Serving ---------------------------------------------------------------
     def register(self, kind: int, handler: Handler) -> None:
@@ -797,9 +760,9 @@ class Agent:
     def wait_idle(self, timeout: float) -> bool:
         """Wait until no request this worker sent is pending. False on timeout."""
         deadline = time.monotonic() + timeout
-        while self._pending:
-            for pending in list(self._pending.values()):
-                if not _wait_future(pending.future, deadline - time.monotonic()):
+        while self.calls:
+            for call in self.calls:
+                if not wait_until(call.future, deadline - time.monotonic()):
                     return False
         return True
 
@@ -811,8 +774,8 @@ class Agent:
             connections = list(self._connections.values())
             self._connections.clear()
             opened, self._opened = self._opened, []
-        for request_id in list(self._pending):
-            self._fail(request_id, RpcError(f"rrpc on {self.info.name} shut down"))
+        for call in self.calls.close_all():
+            settle(call.future, error=RpcError(f"rrpc on {self.info.name} shut down"))
         for connection in connections:
             connection.close() if graceful else connection.abort()
         for connection in opened:  # broken ones too: an open channel can hang exit
@@ -846,16 +809,6 @@ def current_agent() -> Agent:
 def set_current_agent(agent: Agent | None) -> None:
     global _current
     _current = agent
-
-
-def _wait_future(future: torch.futures.Future | SyncReply, timeout: float) -> bool:
-    if isinstance(future, SyncReply):
-        return future.wait_done(timeout)
-    if future.done():
-        return True
-    event = threading.Event()
-    on_done(future, lambda _: event.set())
-    return event.wait(None if timeout == math.inf else max(0.0, timeout))
 
 
 def _tls_credentials(options: RpcBackendOptions):

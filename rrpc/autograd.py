@@ -68,7 +68,7 @@ import torch
 from rrpc import agent as agent_module
 from rrpc.agent import Agent, Deferred
 from rrpc.autograd_context import Context, ContextTable, MessageKey
-from rrpc.futures import on_done
+from rrpc.futures import all_of, all_settled, on_done, wait_until
 from rrpc.messages import AUTOGRAD_BACKWARD, AUTOGRAD_RELEASE, WorkerInfo, thread_state
 
 __all__ = ["backward", "context", "get_gradients", "is_available"]
@@ -179,7 +179,7 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
     agent = agent_module.current_agent()
     hops = _local_pass(agent, context, roots, [torch.ones_like(root) for root in roots])
     if hops:
-        _all_of(hops).wait()  # a hop's error names its node already
+        all_of(hops).wait()  # a hop's error names its node already
 
 
 def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
@@ -223,7 +223,7 @@ def _wait_releases(timeout: float) -> bool:
         if not pending:
             return True
         for future in pending:
-            if not agent_module._wait_future(future, deadline - time.monotonic()):
+            if not wait_until(future, deadline - time.monotonic()):
                 return False
 
 
@@ -399,34 +399,6 @@ def _local_pass(
     ]
 
 
-def _all_of(futures: list[torch.futures.Future]) -> torch.futures.Future:
-    """A future done when all are, failing with the first failure as soon as it happens."""
-    combined: torch.futures.Future = torch.futures.Future()
-    lock = threading.Lock()
-    remaining = [len(futures)]
-
-    def done(future: torch.futures.Future) -> None:
-        error = None
-        try:
-            future.wait()
-        except BaseException as exc:
-            error = exc
-        with lock:
-            remaining[0] -= 1
-            if combined.done():
-                return
-            if error is None and remaining[0]:
-                return
-        if error is not None:
-            combined.set_exception(error)
-        else:
-            combined.set_result(None)
-
-    for future in futures:
-        on_done(future, done)
-    return combined
-
-
 # -- Message handlers ----------------------------------------------------------
 def _on_backward(payload: tuple, caller: WorkerInfo) -> Any:
     """Gradients for one of our send records: run the rest of the pass here."""
@@ -439,21 +411,21 @@ def _on_backward(payload: tuple, caller: WorkerInfo) -> Any:
         grad.to(output.device) for output, grad in zip(outputs, by_index.values(), strict=True)
     ]
     hops = _local_pass(agent_module.current_agent(), context, outputs, grads)
-    return Deferred(_all_of(hops)) if hops else None
+    return Deferred(all_of(hops)) if hops else None
 
 
 def _on_release(payload: tuple, caller: WorkerInfo) -> Any:
     """A context ended: drop it and pass the release on to those not told yet."""
     context_id, told = payload
     futures = _release_here(context_id, told)
-    return Deferred(_settled(futures)) if futures else None
+    return Deferred(all_settled(futures, _release_failed)) if futures else None
 
 
 def _release(context_id: int) -> None:
     futures = _release_here(context_id, frozenset())
     if not futures:
         return
-    settled = _settled(futures)
+    settled = all_settled(futures, _release_failed)
     with _pending_lock:
         _pending_releases.add(settled)
 
@@ -495,26 +467,8 @@ def _release_here(context_id: int, told: frozenset[int]) -> list[torch.futures.F
     return futures
 
 
-def _settled(futures: list[torch.futures.Future]) -> torch.futures.Future:
-    """A future done, never failed, when all ``futures`` are done (releases are best effort)."""
-    combined: torch.futures.Future = torch.futures.Future()
-    remaining = [len(futures)]
-    lock = threading.Lock()
-
-    def done(future: torch.futures.Future) -> None:
-        try:
-            future.wait()
-        except BaseException as exc:
-            log.debug("rrpc: a context release failed: %s", exc)
-        with lock:
-            remaining[0] -= 1
-            last = remaining[0] == 0
-        if last:
-            combined.set_result(None)
-
-    for future in futures:
-        on_done(future, done)
-    return combined
+def _release_failed(error: BaseException) -> None:
+    log.debug("rrpc: a context release failed: %s", error)
 
 
 # -- Wiring into the agent -----------------------------------------------------

@@ -20,12 +20,25 @@ callbacks keep torch's order: registration order, one after another.
 Internal callbacks (the RRef and autograd protocols) are registered on the
 torch base class's methods and run where the future completes: they never
 block.
+
+Every wait and every combination of futures in rrpc goes through this module:
+
+- ``SyncReply``: what ``rpc_sync`` (and the RRef protocol's synchronous
+  calls) wait on: a bare lock, a fraction of a torch Future's cost, never
+  seen by user code.
+- ``wait_until(future, timeout)``: wait without raising (True once done).
+  Through ``blocking``: a request that waits gives its worker permit back.
+- ``all_of`` (fails at the first failure, as soon as it happens),
+  ``all_settled`` (never fails: done when all are) and ``values_of`` (every
+  value, or the first error once all are done): combinations, built with
+  internal callbacks, so they cost no thread.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import math
 import queue
 import threading
 import traceback
@@ -243,3 +256,130 @@ def on_done(future: torch._C.Future, callback: Callable[[Any], None]) -> None:
     """Register an rrpc-internal callback: it runs where ``future`` completes,
     possibly on a transport thread, so it must never block."""
     torch._C.Future.add_done_callback(future, callback)
+
+
+class SyncReply:
+    """The reply to a call whose caller blocks for it at once: a bare lock,
+    released when the reply is in. Its error is raised as it was set, once,
+    and the reply keeps neither value nor error afterwards."""
+
+    __slots__ = ("_arrived", "_value", "_error")
+
+    def __init__(self) -> None:
+        self._arrived = threading.Lock()
+        self._arrived.acquire()
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    def set_result(self, value: Any) -> None:
+        self._value = value
+        self._arrived.release()
+
+    def set_exception(self, error: BaseException) -> None:
+        self._error = error
+        self._arrived.release()
+
+    def done(self) -> bool:
+        return not self._arrived.locked()
+
+    def wait_done(self, timeout: float) -> bool:
+        """True once the reply is in, False after ``timeout`` seconds (inf: none)."""
+        if not self._arrived.acquire(blocking=False):
+            limit = -1 if timeout == math.inf else max(0.0, timeout)
+            if not blocking(self._arrived.acquire, True, limit):
+                return False
+        self._arrived.release()
+        return True
+
+    def wait(self) -> Any:
+        """The value, or raise the error (the reply holds on to neither)."""
+        self.wait_done(math.inf)
+        value, error, self._value, self._error = self._value, self._error, None, None
+        if error is not None:
+            try:
+                raise error
+            finally:
+                del error  # no cycle between this frame and the error's traceback
+        return value
+
+
+def wait_until(future: Any, timeout: float) -> bool:
+    """Wait for ``future`` (a torch Future or a ``SyncReply``) to be done, at most
+    ``timeout`` seconds (``math.inf``: no limit); True if it is. Never raises
+    the future's error."""
+    if isinstance(future, SyncReply):
+        return future.wait_done(timeout)
+    if future.done():
+        return True
+    event = threading.Event()
+    on_done(future, lambda _: event.set())
+    return bool(blocking(event.wait, None if timeout == math.inf else max(0.0, timeout)))
+
+
+def all_of(futures: list[torch.futures.Future]) -> torch.futures.Future:
+    """A future done when all are, failing with the first failure as soon as it happens."""
+    combined: torch.futures.Future = torch.futures.Future()
+    lock = threading.Lock()
+    remaining = [len(futures)]
+
+    def done(future: torch.futures.Future) -> None:
+        error = None
+        try:
+            future.wait()
+        except BaseException as exc:
+            error = exc
+        with lock:
+            remaining[0] -= 1
+            if combined.done() or (error is None and remaining[0]):
+                return
+        if error is not None:
+            combined.set_exception(error)
+        else:
+            combined.set_result(None)
+
+    if not futures:
+        combined.set_result(None)
+    for future in futures:
+        on_done(future, done)
+    return combined
+
+
+def all_settled(
+    futures: list[torch.futures.Future], on_error: Callable[[BaseException], None] | None = None
+) -> torch.futures.Future:
+    """A future that never fails, done when all ``futures`` are; each failure
+    goes to ``on_error`` (best-effort work: releases, deletes)."""
+    combined: torch.futures.Future = torch.futures.Future()
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def done(future: torch.futures.Future) -> None:
+        try:
+            future.wait()
+        except BaseException as exc:
+            if on_error is not None:
+                on_error(exc)
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            combined.set_result(None)
+
+    if not futures:
+        combined.set_result(None)
+    for future in futures:
+        on_done(future, done)
+    return combined
+
+
+def values_of(futures: list[torch.futures.Future]) -> list[Any]:
+    """Every future's value, waiting for all; raises the first error once all are done."""
+    results, error = [], None
+    for future in futures:
+        try:
+            results.append(future.wait())
+        except Exception as exc:
+            error = error or exc
+    if error is not None:
+        raise error
+    return results

@@ -28,10 +28,9 @@ import weakref
 from collections import defaultdict
 from typing import Any
 
-import torch
-
 from rrpc import autograd
 from rrpc.api import rpc_async
+from rrpc.futures import values_of
 from rrpc.rref import RRef
 
 __all__ = ["DistributedOptimizer"]
@@ -82,19 +81,6 @@ def _local_optimizer_step(number: int, context_id: int) -> None:
     local.step(context_id)
 
 
-def _wait_all(futures: list[torch.futures.Future]) -> list[Any]:
-    """Every future's value; raises the first error once all are done."""
-    results, error = [], None
-    for future in futures:
-        try:
-            results.append(future.wait())
-        except Exception as exc:
-            error = error or exc
-    if error is not None:
-        raise error
-    return results
-
-
 class DistributedOptimizer:
     """Optimise parameters spread over workers with one local optimizer per owner.
 
@@ -123,7 +109,7 @@ class DistributedOptimizer:
         by_owner: dict[Any, list[RRef]] = defaultdict(list)
         for rref in params_rref:
             by_owner[rref.owner()].append(rref)
-        created: list[tuple[RRef, int]] = _wait_all(
+        created: list[tuple[RRef, int]] = values_of(
             [
                 rpc_async(
                     owner,
@@ -140,7 +126,7 @@ class DistributedOptimizer:
     def step(self, context_id: int) -> None:
         """Step every owner's optimizer with its gradients in ``context_id``; wait for all."""
         autograd._is_valid_context(context_id)
-        _wait_all(
+        values_of(
             [
                 rpc_async(optimizer.owner(), _local_optimizer_step, args=(number, context_id))
                 for optimizer, number in zip(self.remote_optimizers, self._numbers, strict=True)

@@ -61,14 +61,14 @@ import torch
 from rrpc import agent as agent_module
 from rrpc import autograd as dist_autograd
 from rrpc import codec, functions, logs
-from rrpc.agent import Agent, Deferred, SyncReply
+from rrpc.agent import Agent, Deferred
 from rrpc.functions import (
     async_execution,
     async_result_error,
     callable_name,
     is_async_execution,
 )
-from rrpc.futures import Future, copy_error, on_done, settle
+from rrpc.futures import Future, SyncReply, copy_error, on_done, settle, wait_until
 from rrpc.messages import (
     CALL,
     RREF_ACCEPT,
@@ -482,13 +482,10 @@ def _evaluate_into(
 
 def _wait(future: torch.futures.Future, timeout: float, what: str) -> Any:
     """``_result(future)`` once done, within ``timeout`` (0: none) or RpcTimeoutError."""
-    if not future.done():
-        event = threading.Event()
-        on_done(future, lambda _: event.set())
-        if not event.wait(timeout or None):
-            raise RpcTimeoutError(
-                f"{what} timed out after {timeout:g} s: RPC ran for more than its timeout"
-            )
+    if not wait_until(future, timeout or math.inf):
+        raise RpcTimeoutError(
+            f"{what} timed out after {timeout:g} s: RPC ran for more than its timeout"
+        )
     return _result(future)
 
 
