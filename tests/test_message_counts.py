@@ -1,0 +1,106 @@
+"""Messages per step: rrpc sends only what the protocol needs, and no more than torch's.
+
+Counted on worker0 of the shared three-worker cluster (test_dist_autograd.py)
+from its own traffic counters (`rrpc.stats()`): the requests it sent to worker1
+and the requests worker1 sent to it, over many steps of a steady state.
+
+torch's protocol, for the same steps (torch/distributed/rpc and
+torch/distributed/autograd design notes; the message types are torch's):
+
+- `remote(...).to_here()` by the RRef's creator: PYTHON_REMOTE_CALL,
+  PYTHON_RREF_FETCH_CALL, and once the RRef is freed RREF_USER_DELETE:
+  3 requests (plus their replies).
+- A distributed-autograd training step with the model on worker1 behind an
+  RRef (`rref.rpc_sync().forward(x)`, `dist_autograd.backward`,
+  `DistributedOptimizer.step`, leaving the context): FORWARD_AUTOGRAD_REQ,
+  BACKWARD_AUTOGRAD_REQ, the optimizer step's PYTHON_CALL,
+  CLEANUP_AUTOGRAD_CONTEXT_REQ: 4 requests from the trainer, none back.
+"""
+
+from __future__ import annotations
+
+import pytest
+import test_dist_autograd as dist
+import torch
+
+import rrpc
+from rrpc.optim import DistributedOptimizer
+
+pytestmark = pytest.mark.timeout(120)
+
+STEPS = 20
+TORCH_REMOTE_TO_HERE = 3  # requests per remote().to_here(), RRef delete included
+TORCH_AUTOGRAD_STEP = 4  # requests per training step, all from the trainer
+
+
+@pytest.fixture
+def cluster(request):
+    return dist.shared_cluster(request.config)
+
+
+def _traffic(peer: str) -> tuple[int, int]:
+    """(requests sent to ``peer``, requests served for it) so far, on this worker."""
+    stats = rrpc.stats().get(peer, {})
+    return int(stats.get("calls_sent", 0)), int(stats.get("calls_served", 0))
+
+
+def _settled(peer: str) -> tuple[int, int]:
+    """``_traffic`` once this worker's RRef DELETEs have all gone out and been answered."""
+    rrpc.rref._context().drain(30.0)
+    return _traffic(peer)
+
+
+def _make_tensor():
+    return torch.ones(4)
+
+
+def _remote_to_here_counts():
+    for _ in range(3):  # warm up: streams open, types cached
+        rrpc.remote("worker1", _make_tensor).to_here()
+    sent0, served0 = _settled("worker1")
+    for _ in range(STEPS):
+        assert torch.equal(rrpc.remote("worker1", _make_tensor).to_here(), torch.ones(4))
+    sent, served = _settled("worker1")
+    return sent - sent0, served - served0
+
+
+def test_remote_to_here_sends_no_more_than_torch(cluster):
+    sent, served = cluster.run(_remote_to_here_counts)
+    # remote + fetch per iteration; the DELETEs are batched (one message names
+    # every RRef dropped within rref_delete_delay): at least one, at most one each
+    assert 2 * STEPS < sent <= TORCH_REMOTE_TO_HERE * STEPS, sent
+    assert served == 0  # nothing comes back but replies
+
+
+def _parameter_rrefs(module_rref):
+    return [rrpc.RRef(param) for param in module_rref.local_value().parameters()]
+
+
+def _autograd_step_counts():
+    torch.manual_seed(0)
+    module = rrpc.remote("worker1", torch.nn.Linear, args=(8, 8))
+    params = rrpc.rpc_sync("worker1", _parameter_rrefs, args=(module,))
+    optimizer = DistributedOptimizer(torch.optim.SGD, params, lr=0.01)
+    x = torch.randn(4, 8)
+
+    def step():
+        with rrpc.autograd.context() as context_id:
+            loss = module.rpc_sync().forward(x).sum()
+            rrpc.autograd.backward(context_id, [loss])
+            optimizer.step(context_id)
+
+    for _ in range(3):
+        step()
+    rrpc.autograd._wait_releases(30.0)
+    sent0, served0 = _traffic("worker1")
+    for _ in range(STEPS):
+        step()
+    rrpc.autograd._wait_releases(30.0)
+    sent, served = _traffic("worker1")
+    return sent - sent0, served - served0
+
+
+def test_autograd_step_sends_no_more_than_torch(cluster):
+    sent, served = cluster.run(_autograd_step_counts)
+    assert sent == TORCH_AUTOGRAD_STEP * STEPS, sent
+    assert served == 0, f"worker1 sent {served} requests back in {STEPS} steps"
