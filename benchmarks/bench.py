@@ -8,6 +8,7 @@ Run from the repository root:
     python benchmarks/bench.py --only veth_echo_16m      # two "hosts"; needs root
     python benchmarks/bench.py --frameworks torch    # reference numbers only
     python benchmarks/bench.py --json results.json
+    python benchmarks/bench.py --overhead            # rrpc's stats and profiler hook, per call
 
 How it measures. Every workload runs in fresh processes: two (a "client" that
 drives the measurement and a "server" it calls) or, for `param_server`, three.
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import importlib
 import json
 import multiprocessing
@@ -479,6 +481,152 @@ WORKLOADS = [
 ]
 
 
+# --- observability overhead (rrpc only: --overhead) -------------------------------------
+#
+# What rrpc's stats (always on) and its profiler hook (one check per call) cost a
+# no-op rpc_sync. The first three variants run in blocks, in every order, within
+# one pair of processes, so drift hits them alike; each is the median of its
+# blocks' p50s. "stats off" replaces the bookkeeping by no-ops on both sides (a
+# measurement switch, not an option); "inactive profiler" runs inside a
+# torch.profiler.profile still in its schedule's wait phase. "profiler on"
+# (inside a recording legacy profiler) runs after them: the garbage a profile
+# leaves would slow whichever block came next.
+
+_saved_metrics: dict[str, Any] = {}
+_METRIC_HOOKS = ("answered", "undecodable", "ended", "late", "replied")
+
+
+class _NoMetrics:
+    """Stands for an agent's Metrics with the bookkeeping removed. Its rows are
+    dummies, for the calls that straddle a switch (counted by the real hooks)."""
+
+    def __init__(self) -> None:
+        from rrpc.metrics import Row
+
+        self._rows = Row(), Row()
+
+    def sent(self, *args: Any) -> Any:
+        return self._rows
+
+    served = sent
+
+    def peer(self, name: str) -> Any:
+        return self._rows[0]
+
+
+def _no_hook(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def set_stats(on: bool) -> None:
+    """Turn this process's stats bookkeeping on or off (for --overhead only)."""
+    from rrpc import agent as agent_module
+    from rrpc import metrics
+
+    agent = agent_module.current_agent()
+    if not on and not _saved_metrics:
+        _saved_metrics.update({name: getattr(metrics, name) for name in _METRIC_HOOKS})
+        _saved_metrics["object"] = agent.metrics
+        for name in _METRIC_HOOKS:
+            setattr(metrics, name, _no_hook)
+        agent.metrics = _NoMetrics()  # type: ignore[assignment]
+    elif on and _saved_metrics:
+        agent.metrics = _saved_metrics.pop("object")
+        for name in _METRIC_HOOKS:
+            setattr(metrics, name, _saved_metrics.pop(name))
+
+
+OVERHEAD_VARIANTS = ("default", "stats off", "inactive profiler", "profiler on")
+
+
+def overhead(fw: Framework, n: int, rounds: int = 6) -> dict:
+    """p50 of a no-op rpc_sync per variant, and the bookkeeping's own cost per call."""
+    from torch.autograd.profiler_legacy import profile as legacy_profile
+
+    from rrpc import metrics, profiling
+    from rrpc.messages import CALL
+
+    def p50_of(variant: str, calls: int) -> float:
+        on = variant != "stats off"
+        set_stats(on)
+        fw.rpc.rpc_sync("server", set_stats, args=(on,))
+        if variant == "inactive profiler":
+            schedule = torch.profiler.schedule(wait=1 << 30, warmup=0, active=1)
+            context: Any = torch.profiler.profile(schedule=schedule)
+        elif variant == "profiler on":
+            context = legacy_profile()
+        else:
+            context = contextlib.nullcontext()
+        with context:
+            times = timed_calls(lambda: fw.rpc.rpc_sync("server", noop), calls, warmup=20)
+        return percentile(times, 50) * 1e6
+
+    block = max(100, n // rounds)
+    p50s: dict[str, list[float]] = {variant: [] for variant in OVERHEAD_VARIANTS}
+    # Every order of the three, so that none always follows the same other, and
+    # each first as often early as late; after a block that warms both
+    # processes up (the first seconds of a process are slower).
+    a, b, c = OVERHEAD_VARIANTS[:-1]
+    orders = [(a, b, c), (b, c, a), (c, a, b), (c, b, a), (b, a, c), (a, c, b)]
+    p50_of(a, block)
+    for round_ in range(rounds):
+        for variant in orders[round_ % len(orders)]:
+            gc.collect()
+            p50s[variant].append(p50_of(variant, block))
+    for _ in range(rounds):
+        p50s["profiler on"].append(p50_of("profiler on", block // 4))
+    result = {variant: statistics.median(values) for variant, values in p50s.items()}
+    # The same bookkeeping, alone in this process: the caller's and the callee's share.
+    table, payload, loops = metrics.Metrics(), (noop, (), {}), 100_000
+    start = time.perf_counter()
+    for _ in range(loops):
+        metrics.answered(table.sent("server", CALL, payload, 300, 0), 200, 0, 2e-4, False)
+        metrics.replied(table.served("client", CALL, payload, 300, 0), 200, 0, False)
+    result["bookkeeping_us"] = (time.perf_counter() - start) / loops * 1e6
+    check = profiling.profiler_enabled
+    start = time.perf_counter()
+    for _ in range(loops):
+        check()
+    result["check_ns"] = (time.perf_counter() - start) / loops * 1e9
+    return result
+
+
+OVERHEAD = Workload("overhead", overhead, 16000, 4000, ())
+
+
+def run_overhead(quick: bool, repeats: int) -> dict:
+    """--overhead: run it `repeats` times in fresh processes and print the ratios."""
+    n = OVERHEAD.n_quick if quick else OVERHEAD.n
+    runs = []
+    for repeat in range(repeats):
+        result = run_once("rrpc", OVERHEAD, n)
+        if "error" in result:
+            print(f"overhead: n/a ({result['error']})")
+            return result
+        runs.append(result)
+        print(f"  overhead #{repeat + 1}: {_summary(result)}", file=sys.stderr, flush=True)
+    result = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+    default = result["default"]
+    print(
+        f"\nobservability cost on a no-op rpc_sync (rrpc; median of {repeats} run(s), each the "
+        f"median of 6 blocks of {n // 6} calls, the first three in every order)"
+    )
+    print(f"  {'variant':<20} {'p50 µs':>9} {'÷ default':>10}")
+    for variant in OVERHEAD_VARIANTS:
+        print(f"  {variant:<20} {result[variant]:>9.1f} {result[variant] / default:>10.3f}")
+    stats_share = (default - result["stats off"]) / result["stats off"]
+    print(
+        f"  stats, end to end: {100 * stats_share:+.1f} % of a call (stats off -> default); "
+        f"their bookkeeping alone: {result['bookkeeping_us']:.2f} µs per call, both sides "
+        f"= {100 * result['bookkeeping_us'] / default:.1f} % of the default p50"
+    )
+    print(
+        f"  profiler, not recording: {100 * (result['inactive profiler'] / default - 1):+.1f} % "
+        f"end to end; the per-call check alone: {result['check_ns']:.0f} ns"
+    )
+    return result
+
+
 # --- processes -----------------------------------------------------------------------
 
 
@@ -905,6 +1053,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--repeats", type=int, help="runs per framework and workload (default 3, --quick 1)"
     )
     parser.add_argument("--json", metavar="PATH", help="also write the results here")
+    parser.add_argument(
+        "--overhead",
+        action="store_true",
+        help="rrpc only: what its stats and profiler hook cost a no-op rpc_sync, as ratios",
+    )
     args = parser.parse_args(argv)
     args.frameworks = args.frameworks.split(",")
     for fw in args.frameworks:
@@ -944,6 +1097,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     for fw, error in broken.items():
         print(f"note: {fw} is not importable ({error}); its cells read n/a")
+    if args.overhead:
+        run_overhead(args.quick, args.repeats)
+        return
     started = time.monotonic()
     results = {}
     selected = [w for w in WORKLOADS if w.name in args.only]

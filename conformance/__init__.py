@@ -21,7 +21,8 @@ How a test runs
   ``TensorPipeRpcAgentTestFixture`` (or ``FaultyRpcAgentTestFixture``) for
   torch and ``fixtures.RrpcAgentTestFixture`` for rrpc, which gives rrpc's
   backend options and keeps TensorPipe's error regexes (drop-in code matching
-  "RPC ran for more than" must keep working).
+  "RPC ran for more than" must keep working); for the faulty suite, torch's
+  ``FaultyRpcAgentTestFixture`` with ``rrpc.FaultyRpcBackendOptions``.
 - For rrpc, ``shim.install()`` first points ``torch.distributed.rpc``,
   ``torch.distributed.autograd``, ``torch.distributed.optim.DistributedOptimizer``
   and ``torch.distributed.nn.RemoteModule`` at rrpc (``sys.modules`` entries and

@@ -13,8 +13,11 @@ Only three kinds of test are not applicable:
   (``dist_autograd._current_context`` / ``_retrieve_context`` / ``_new_context``
   / ``_get_max_id``), torch's internal pickler and message classes, the helpers
   of torch's own shutdown protocol (``api._all_gather``, ``_wait_all_workers``,
-  ...), TensorPipe's private ``_transports`` option, and the fault-injecting
-  ``FaultyTensorPipeAgent`` with its C++ options.
+  ...), and TensorPipe's private ``_transports`` option.
+
+The faulty suite runs on rrpc with ``rrpc.FaultyRpcBackendOptions``, rrpc's
+counterpart of torch's fault-injecting agent (``rrpc/faults.py``); its tests
+are listed here only for one of the reasons above.
 
 Everything a user could write with the public API is applicable, including
 tests that use a *private* torch helper with a user-facing meaning
@@ -59,28 +62,13 @@ NOT_APPLICABLE: dict[str, str] = {
     "DistAutogradTest.test_rpc_complex_args": "torch-internal: torch's C++ autograd context objects (dist_autograd._current_context)",
     "DistAutogradTest.test_trainer_ps_torchscript_functions": "TorchScript: calls or builds @torch.jit.script functions",
     "DistAutogradTest.test_worker_ids_recorded": "torch-internal: torch's C++ autograd context objects (dist_autograd._current_context)",
-    "FaultyAgentDistAutogradTest.test_context_cleanup_tensor_with_grad": "torch-internal: needs FaultyTensorPipeAgent (torch's C++ fault-injecting test agent: dropped/delayed message types, num_fail_sends); rrpc has no fault-injecting agent; reads dist_autograd._retrieve_context",
-    "FaultyAgentDistAutogradTest.test_verify_backend_options": "torch-internal: needs FaultyTensorPipeAgent (torch's C++ fault-injecting test agent: dropped/delayed message types, num_fail_sends); rrpc has no fault-injecting agent",
-    "FaultyAgentRpcTest.test_builtin_remote_message_dropped_timeout": "torch-internal: needs FaultyTensorPipeAgent (torch's C++ fault-injecting test agent: dropped/delayed message types, num_fail_sends); rrpc has no fault-injecting agent",
-    "FaultyAgentRpcTest.test_builtin_remote_message_dropped_timeout_to_self": "torch-internal: needs FaultyTensorPipeAgent (torch's C++ fault-injecting test agent: dropped/delayed message types, num_fail_sends); rrpc has no fault-injecting agent",
-    "FaultyAgentRpcTest.test_check_failed_messages": "torch-internal: needs FaultyTensorPipeAgent (torch's C++ fault-injecting test agent: dropped/delayed message types, num_fail_sends); rrpc has no fault-injecting agent",
-    "FaultyAgentRpcTest.test_custom_faulty_messages": "torch-internal: needs FaultyTensorPipeAgent (torch's C++ fault-injecting test agent: dropped/delayed message types, num_fail_sends); rrpc has no fault-injecting agent",
-    "FaultyAgentRpcTest.test_custom_messages_to_delay": "torch-internal: needs FaultyTensorPipeAgent (torch's C++ fault-injecting test agent: dropped/delayed message types, num_fail_sends); rrpc has no fault-injecting agent",
-    "FaultyAgentRpcTest.test_no_faulty_messages": "torch-internal: needs FaultyTensorPipeAgent (torch's C++ fault-injecting test agent: dropped/delayed message types, num_fail_sends); rrpc has no fault-injecting agent",
-    "FaultyAgentRpcTest.test_remote_message_builtin_delay_timeout": "torch-internal: needs FaultyTensorPipeAgent (torch's C++ fault-injecting test agent: dropped/delayed message types, num_fail_sends); rrpc has no fault-injecting agent",
-    "FaultyAgentRpcTest.test_remote_message_builtin_delay_timeout_to_self": "torch-internal: needs FaultyTensorPipeAgent (torch's C++ fault-injecting test agent: dropped/delayed message types, num_fail_sends); rrpc has no fault-injecting agent",
-    "FaultyAgentRpcTest.test_remote_message_dropped_pickle": "torch-internal: needs FaultyTensorPipeAgent (torch's C++ fault-injecting test agent: dropped/delayed message types, num_fail_sends); rrpc has no fault-injecting agent",
-    "FaultyAgentRpcTest.test_remote_message_dropped_pickle_to_self": "torch-internal: needs FaultyTensorPipeAgent (torch's C++ fault-injecting test agent: dropped/delayed message types, num_fail_sends); rrpc has no fault-injecting agent",
-    "FaultyAgentRpcTest.test_remote_message_script_delay_timeout": "torch-internal: needs FaultyTensorPipeAgent (torch's C++ fault-injecting test agent: dropped/delayed message types, num_fail_sends); rrpc has no fault-injecting agent",
-    "FaultyAgentRpcTest.test_remote_message_script_delay_timeout_to_self": "torch-internal: needs FaultyTensorPipeAgent (torch's C++ fault-injecting test agent: dropped/delayed message types, num_fail_sends); rrpc has no fault-injecting agent",
-    "FaultyAgentRpcTest.test_rpc_builtin_timeout": "torch-internal: needs FaultyTensorPipeAgent (torch's C++ fault-injecting test agent: dropped/delayed message types, num_fail_sends); rrpc has no fault-injecting agent",
-    "FaultyAgentRpcTest.test_rpc_script_timeout": "torch-internal: needs FaultyTensorPipeAgent (torch's C++ fault-injecting test agent: dropped/delayed message types, num_fail_sends); rrpc has no fault-injecting agent",
-    "FaultyAgentRpcTest.test_rref_to_here_timeout": "torch-internal: needs FaultyTensorPipeAgent (torch's C++ fault-injecting test agent: dropped/delayed message types, num_fail_sends); rrpc has no fault-injecting agent",
-    "FaultyAgentRpcTest.test_udf_remote_message_delay_timeout": "torch-internal: needs FaultyTensorPipeAgent (torch's C++ fault-injecting test agent: dropped/delayed message types, num_fail_sends); rrpc has no fault-injecting agent",
-    "FaultyAgentRpcTest.test_udf_remote_message_delay_timeout_to_self": "torch-internal: needs FaultyTensorPipeAgent (torch's C++ fault-injecting test agent: dropped/delayed message types, num_fail_sends); rrpc has no fault-injecting agent",
-    "FaultyAgentRpcTest.test_udf_remote_message_dropped_timeout": "torch-internal: needs FaultyTensorPipeAgent (torch's C++ fault-injecting test agent: dropped/delayed message types, num_fail_sends); rrpc has no fault-injecting agent",
-    "FaultyAgentRpcTest.test_udf_remote_message_dropped_timeout_to_self": "torch-internal: needs FaultyTensorPipeAgent (torch's C++ fault-injecting test agent: dropped/delayed message types, num_fail_sends); rrpc has no fault-injecting agent",
-    "FaultyAgentRpcTest.test_verify_backend_options": "torch-internal: needs FaultyTensorPipeAgent (torch's C++ fault-injecting test agent: dropped/delayed message types, num_fail_sends); rrpc has no fault-injecting agent",
+    "FaultyAgentDistAutogradTest.test_context_cleanup_tensor_with_grad": "torch-internal: torch's C++ autograd context objects (dist_autograd._retrieve_context)",
+    "FaultyAgentRpcTest.test_check_failed_messages": "torch-internal: torch's Python-level agent protocol helpers (_delete_all_user_and_unforked_owner_rrefs). Run with that helper as a no-op, rrpc times out: it does not retry RRef protocol messages whose send failed (torch retries FORK, ACCEPT and DELETE), so the graceful shutdown waits for the lost ones",
+    "FaultyAgentRpcTest.test_remote_message_dropped_pickle": "torch-internal: calls RRef._serialize(), the pickling hook of torch's C++ RRef",
+    "FaultyAgentRpcTest.test_remote_message_dropped_pickle_to_self": "torch-internal: calls RRef._serialize(), the pickling hook of torch's C++ RRef",
+    "FaultyAgentRpcTest.test_remote_message_script_delay_timeout": "TorchScript: calls or builds @torch.jit.script functions",
+    "FaultyAgentRpcTest.test_remote_message_script_delay_timeout_to_self": "TorchScript: calls or builds @torch.jit.script functions",
+    "FaultyAgentRpcTest.test_rpc_script_timeout": "TorchScript: calls or builds @torch.jit.script functions",
     "RemoteModuleTest.test_forward_async": "TorchScript: iterates every creation mode, the second a scripted RemoteModule (torch.jit.script)",
     "RemoteModuleTest.test_forward_async_script": "TorchScript: a scripted RemoteModule (module interface + torch.jit.script)",
     "RemoteModuleTest.test_forward_sync": "TorchScript: iterates every creation mode, the second a scripted RemoteModule (torch.jit.script)",
@@ -109,7 +97,6 @@ NOT_APPLICABLE: dict[str, str] = {
     "RpcTest.test_rref_context_debug_info": "torch-internal: reads or replaces torch's C++ RPC agent (get_debug_info())",
     "RpcTest.test_rref_get_future": "TorchScript: calls or builds @torch.jit.script functions",
     "RpcTest.test_rref_leak": "torch-internal: torch's Python-level agent protocol helpers (_delete_all_user_and_unforked_owner_rrefs)",
-    "RpcTest.test_server_process_global_profiler": "torch-internal: torch's Python-level agent protocol helpers (_server_process_global_profile)",
     "RpcTest.test_shutdown_errors": "torch-internal: torch's Python-level agent protocol helpers (_all_gather, _broadcast_to_followers, _delete_all_user_and_unforked_owner_rrefs)",
     "RpcTest.test_stress_heavy_rpc_torchscript": "TorchScript: calls or builds @torch.jit.script functions",
     "RpcTest.test_use_rpc_pickler": "torch-internal: torch's RPC pickler / message classes (_default_pickler, _internal_rpc_pickler, _use_rpc_pickler)",

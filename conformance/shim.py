@@ -26,7 +26,8 @@ Mapped names, torch -> rrpc (everything else in these namespaces is Missing):
   key names (``num_owner_rrefs``, ``num_forks`` <- ``num_owner_forks``,
   ``num_pending_users`` <- ``num_pending_confirmations + num_pending_forks``;
   ``num_pending_futures`` <- pending children, DELETEs and ACCEPTs in flight) and
-  torch's value type (``str``).
+  torch's value type (``str``); ``_server_process_global_profile`` (also in
+  ``server_process_global_profiler``) -> rrpc's (``rrpc/profiling.py``).
 - ``torch.distributed.rpc.internal``: ``RPCExecMode`` and
   ``_build_rpc_profiling_key`` are torch's own (an enum of labels and a string
   helper; neither touches torch's agent).
@@ -34,7 +35,11 @@ Mapped names, torch -> rrpc (everything else in these namespaces is Missing):
 - ``torch.distributed.rpc.constants``: ``DEFAULT_RPC_TIMEOUT_SEC``,
   ``UNSET_RPC_TIMEOUT``, ``DEFAULT_INIT_METHOD``, ``DEFAULT_NUM_WORKER_THREADS``
   from rrpc's option defaults.
-- ``torch.distributed.rpc.backend_registry``: ``BackendType``.
+- ``torch.distributed.rpc.backend_registry``: ``BackendType`` (with
+  ``FAULTY_TENSORPIPE``).
+- ``torch.distributed.rpc._testing``: ``FaultyTensorPipeRpcBackendOptions`` ->
+  ``rrpc.FaultyRpcBackendOptions`` (the same switches, torch's message-type
+  names; see ``rrpc/faults.py``).
 - ``torch.distributed.autograd``: ``context``, ``backward``, ``get_gradients``,
   ``is_available``; ``_is_valid_context`` -> ``rrpc.autograd._is_valid_context``.
 - ``torch.distributed.optim.DistributedOptimizer`` -> ``rrpc.optim.DistributedOptimizer``.
@@ -269,16 +274,23 @@ def install() -> None:
     for name in (
         "options",
         "rref_proxy",
-        "server_process_global_profiler",
         "_utils",
-        "_testing",
     ):
         submodules[name] = ShimModule(f"torch.distributed.rpc.{name}", {})
+    profile = {"_server_process_global_profile": rrpc._server_process_global_profile}
+    submodules["server_process_global_profiler"] = ShimModule(
+        "torch.distributed.rpc.server_process_global_profiler", profile
+    )
+    submodules["_testing"] = ShimModule(
+        "torch.distributed.rpc._testing",
+        {"FaultyTensorPipeRpcBackendOptions": rrpc.FaultyRpcBackendOptions},
+    )
     rpc = ShimModule(
         "torch.distributed.rpc",
         {
             **public,
             **submodules,
+            **profile,
             "_rref_context_get_debug_info": _rref_context_get_debug_info,
         },
     )

@@ -2,12 +2,13 @@
 
 Chosen to cover each area the suites test (calls, errors, futures and
 callbacks, async_execution, RRefs and their protocol, timeouts, shutdown,
-distributed autograd, the optimizer, RemoteModule, the examples, DDP), with no
-test that needs more than a few seconds on torch. It is not filtered by
-whether rrpc passes: a test rrpc fails stays in and fails ``make test`` until
-rrpc is fixed. Only the known differences (``known_differences.py``), which
-rrpc fails on purpose, are left out. The faulty suite has
-no applicable test, so it has none here.
+distributed autograd, the optimizer, RemoteModule, the examples, DDP, the
+profiler), with no test that needs more than a few seconds on torch. It is not
+filtered by whether rrpc passes: a test rrpc fails stays in and fails ``make
+test`` until rrpc is fixed. Only the known differences (``known_differences.py``), which
+rrpc fails on purpose, are left out. The faulty suite runs on rrpc's
+``FaultyRpcBackendOptions``: its short tests are here, one dropped and one
+delayed message type at least.
 """
 
 from __future__ import annotations
@@ -53,6 +54,19 @@ SUBSET: tuple[str, ...] = (
     "RpcTest.test_shutdown_followed_by_rpc",
     "RpcTest.test_local_shutdown",
     "TensorPipeAgentRpcTest.test_dynamic_rpc_init_rpc_without_rank",
+    # rpc: the profiler (RPC events, the callee's events, nesting, server-side profiling)
+    "RpcTest.test_profiler_remote_events_profiled",
+    "RpcTest.test_profiler_export_trace",
+    "RpcTest.test_profiler_rpc_memory",
+    "RpcTest.test_profiler_rpc_record_shapes",
+    "RpcTest.test_profiler_with_sync_rpc_builtin",
+    "RpcTest.test_profiler_with_async_rpc_builtin",
+    "RpcTest.test_profiler_with_remote_builtin",
+    "RpcTest.test_profiler_with_autograd_context",
+    "RpcTest.test_rpc_profiling_async_function",
+    "RpcTest.test_rpc_profiling_remote_record_function",
+    "RpcTest.test_rref_type_non_blocking",
+    "RpcTest.test_server_process_global_profiler",
     # dist_autograd
     "DistAutogradTest.test_backward_simple",
     "DistAutogradTest.test_backward_simple_self",
@@ -67,6 +81,7 @@ SUBSET: tuple[str, ...] = (
     "DistAutogradTest.test_grad_copy_sparse_indices_extra_ref",
     "TensorPipeAgentDistAutogradTest.test_backward_simple_sparse",
     "DistAutogradTest.test_backward_python_udf_error",
+    "DistAutogradTest.test_dist_autograd_profiling",
     # dist_optimizer
     "DistOptimizerTest.test_dist_optim",
     "DistOptimizerTest.test_dist_optim_exception",
@@ -93,4 +108,9 @@ SUBSET: tuple[str, ...] = (
     # the work of a just-finished all_reduce on a tensor made in Python needs
     # the GIL to drop that tensor's Python object. gdb shows both threads.
     "DdpComparisonTest.test_ddp_dist_autograd_local_vs_remote",
+    # faulty: messages dropped and delayed (rrpc.FaultyRpcBackendOptions)
+    "FaultyAgentRpcTest.test_verify_backend_options",
+    "FaultyAgentRpcTest.test_builtin_remote_message_dropped_timeout",
+    "FaultyAgentRpcTest.test_udf_remote_message_dropped_timeout_to_self",
+    "FaultyAgentRpcTest.test_rref_to_here_timeout",
 )

@@ -12,7 +12,7 @@ class Suite:
     name: str
     # (module, class name) of every test class of the suite, in run order.
     classes: tuple[tuple[str, str], ...]
-    # The faulty agent's fixture for torch (rrpc has no fault injection).
+    # A fault-injecting fixture: torch's FaultyTensorPipeAgent, rrpc's FaultyRpcBackendOptions.
     faulty: bool = False
 
 

@@ -16,6 +16,8 @@ from rrpc.api import (
     shutdown,
     stats,
 )
+from rrpc.faults import FaultyRpcBackendOptions
+from rrpc.membership import MembershipEvent, get_worker_infos, on_membership_change
 from rrpc.messages import (
     AuthenticationError,
     MessageTooLargeError,
@@ -27,11 +29,16 @@ from rrpc.messages import (
     WorkerInfo,
 )
 from rrpc.options import RpcBackendOptions, TensorPipeRpcBackendOptions
+from rrpc.profiling import (  # torch's private name, for code that uses it
+    _server_process_global_profile as _server_process_global_profile,
+)
 from rrpc.rref import RRef, remote, rref_debug_info
 
 __all__ = [
     "AuthenticationError",
     "BackendType",
+    "FaultyRpcBackendOptions",
+    "MembershipEvent",
     "MessageTooLargeError",
     "PeerUnavailableError",
     "RRef",
@@ -46,9 +53,11 @@ __all__ = [
     "functions",
     "get_rpc_timeout",
     "get_worker_info",
+    "get_worker_infos",
     "init_rpc",
     "is_available",
     "nn",
+    "on_membership_change",
     "optim",
     "remote",
     "rpc_async",

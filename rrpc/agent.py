@@ -60,13 +60,12 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import grpc
 import torch
 
-from rrpc import codec, logs, messages, shm, transport
+from rrpc import codec, faults, logs, messages, metrics, shm, transport
 from rrpc.calls import Call, CallTable
 from rrpc.futures import (
     Future,
@@ -113,27 +112,6 @@ class Deferred:
 
     def __init__(self, future: torch._C.Future):
         self.future = future
-
-
-@dataclass
-class PeerStats:
-    """Counters of traffic with one peer (requests this worker sent and served)."""
-
-    calls_sent: int = 0
-    calls_served: int = 0
-    errors: int = 0
-    timeouts: int = 0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    tensor_bytes_sent: int = 0
-    tensor_bytes_received: int = 0
-    latency_total: float = 0.0  # seconds, over replies received
-    replies: int = 0
-
-    def as_dict(self) -> dict[str, float]:
-        stats = dict(self.__dict__)
-        stats["latency_mean_us"] = 1e6 * self.latency_total / self.replies if self.replies else 0.0
-        return stats
 
 
 def remote_exception_payload(exc: BaseException, where: str) -> tuple:
@@ -220,6 +198,10 @@ class _WorkerPool:
             self._tasks.put((fn, args))
             if self._idle == 0:
                 self._add_thread()
+
+    def queued(self) -> int:
+        """Tasks submitted and not started yet."""
+        return self._tasks.qsize()
 
     def run_inline(self, fn: Callable[..., None], *args: Any) -> bool:
         """Run ``fn(*args)`` on this thread if a permit is free and no task
@@ -352,12 +334,17 @@ class Agent:
         self.options = options
         self.handlers: dict[int, Handler] = {}
         self.autograd_hooks: AutogradHooks | None = None
-        self.stats: dict[str, PeerStats] = {}
+        self.metrics = metrics.Metrics()  # calls, errors, bytes, latency: by peer, by function
+        self.stats = self.metrics.peers  # the rows by peer name
         self._peers_by_name: dict[str, WorkerInfo] = {}
         self._peers_by_rank: dict[int, WorkerInfo] = {}
         self._addresses: dict[int, str] = {}
         # Finds a worker this one does not know yet (dynamic membership): set by init_rpc.
         self.lookup: Callable[[str | int], tuple[WorkerInfo, str, dict] | None] | None = None
+        # Dynamic membership: why each worker that left is gone (by name and by
+        # rank), and how many times this rank joined before (rrpc/membership.py).
+        self.departed: dict[str | int, str] = {}
+        self.incarnation = 0
         self.calls = CallTable()  # the calls this worker sent and awaits
         self.suspects: set[int] = set()  # ranks whose stream broke: maybe dead
         self._ids = itertools.count(1)
@@ -379,6 +366,7 @@ class Agent:
         # Ranks that run our __main__ script: its functions go to them by name.
         self._same_main: set[int] = set()
         self._pool = _WorkerPool(options.num_worker_threads, f"rrpc-{name}")
+        self.faults = faults.injector(options)  # None unless FaultyRpcBackendOptions
         self._deadlines = _Deadlines(self.calls, self._expire)
         self.server = transport.Server(
             host,
@@ -417,6 +405,9 @@ class Agent:
 
     # -- Peers -----------------------------------------------------------------
     def add_peer(self, info: WorkerInfo, address: str, advertised: dict[str, Any]) -> None:
+        if self.departed:
+            self.departed.pop(info.name, None)
+            self.departed.pop(info.id, None)
         self._peers_by_name[info.name] = info
         self._peers_by_rank[info.id] = info
         self._addresses[info.id] = address
@@ -429,6 +420,20 @@ class Agent:
                 self._shm_sources[info.id] = self._attachments.bind(pid, key_bytes)
                 if self.shm_pool is not None:
                     self._shm_peers[info.id] = self.shm_pool.towards(pid)
+
+    def remove_peer(self, info: WorkerInfo, reason: str, close: bool) -> None:
+        """Forget a worker that left the group (or the old incarnation of one that
+        came back): calls to it fail at once with ``PeerUnavailableError(reason)``.
+        Calls already on its stream go on unless ``close``."""
+        with self._connect_lock:
+            if self._peers_by_name.get(info.name) == info:
+                del self._peers_by_name[info.name]
+            if self._peers_by_rank.get(info.id) == info:
+                del self._peers_by_rank[info.id]
+            connection = self._connections.pop(info.id, None) if close else None
+        self.departed[info.name] = self.departed[info.id] = reason
+        if connection is not None:
+            connection.close()
 
     def worker_info(self, to: Any) -> WorkerInfo:
         """Resolve a name, a rank or a WorkerInfo to a known worker.
@@ -448,6 +453,9 @@ class Agent:
         if found is None and self.lookup is not None:
             found = self._learn(to.id if isinstance(to, WorkerInfo) else to)
         if found is None:
+            gone = self.departed.get(to.name if isinstance(to, WorkerInfo) else to)
+            if gone is not None:
+                raise PeerUnavailableError(gone)
             known = ", ".join(sorted(self._peers_by_name)) or "none"
             raise RpcError(f"could not find destination worker {to!r} (known workers: {known})")
         return found
@@ -497,11 +505,12 @@ class Agent:
             raise ValueError(f"timeout must be >= 0 (0: none) or -1 (default), got {timeout}")
         return timeout
 
-    def peer_stats(self, peer: WorkerInfo) -> PeerStats:
-        stats = self.stats.get(peer.name)
-        if stats is None:
-            stats = self.stats.setdefault(peer.name, PeerStats())
-        return stats
+    def peer_stats(self, peer: WorkerInfo) -> metrics.Row:
+        return self.metrics.peer(peer.name)
+
+    def queue_depth(self) -> int:
+        """Requests waiting for a worker thread."""
+        return self._pool.queued()
 
     # -- Sending ---------------------------------------------------------------
     def send(
@@ -513,6 +522,34 @@ class Agent:
             raise RpcError(f"{what} to {peer.name}: rrpc on {self.info.name} is shut down")
         context_id = thread_state.autograd_context_id
         request_id = next(self._ids)
+        out = self._encode(
+            kind, request_id, obj, peer, context_id, (self.info.id, request_id, False)
+        )
+        connection = self._connection(peer)
+        future: SyncReply | Future = SyncReply() if sync else Future()
+        now = time.monotonic()
+        rows = self.metrics.sent(peer.name, kind, obj, out.size, out.tensor_bytes)
+        if self.calls.open(request_id, future, peer, what, timeout, now, connection, rows):
+            self._deadlines.watch(now + timeout)
+        if self.faults is None:
+            connection.send(out.pieces)
+        else:  # fault injection (rrpc/faults.py): fail it, delay it, or send it
+            self.faults.send(peer, kind, obj, what, out, connection.send, self.calls, request_id)
+        if connection.closed:  # it broke between lookup and send: fail now, not at the deadline
+            self._on_stream_closed(peer, connection, connection.error)
+        return future
+
+    def _encode(
+        self,
+        kind: int,
+        request_id: int,
+        obj: Any,
+        peer: WorkerInfo,
+        context_id: int,
+        key: MessageKey,
+    ) -> codec.Outgoing:
+        """One message (request or reply) for ``peer``, its tensors that require
+        grad shown to distributed autograd under ``key``."""
         out = codec.encode(
             kind,
             request_id,
@@ -525,21 +562,8 @@ class Agent:
             same_main=peer.id in self._same_main,
         )
         if out.grad_tensors and context_id and self.autograd_hooks is not None:
-            key = (self.info.id, request_id, False)
             self.autograd_hooks.on_send(context_id, peer, key, out.grad_tensors)
-        connection = self._connection(peer)
-        future: SyncReply | Future = SyncReply() if sync else Future()
-        now = time.monotonic()
-        if self.calls.open(request_id, future, peer, what, timeout, now, connection):
-            self._deadlines.watch(now + timeout)
-        stats = self.peer_stats(peer)
-        stats.calls_sent += 1
-        stats.bytes_sent += out.size
-        stats.tensor_bytes_sent += out.tensor_bytes
-        connection.send(out.pieces)
-        if connection.closed:  # it broke between lookup and send: fail now, not at the deadline
-            self._on_stream_closed(peer, connection, connection.error)
-        return future
+        return out
 
     def _connection(self, peer: WorkerInfo) -> transport.Connection:
         connection = self._connections.get(peer.id)
@@ -573,16 +597,15 @@ class Agent:
     def _on_reply(self, peer: WorkerInfo, frame: codec.Frame) -> None:
         envelope = frame.envelope
         pending = self.calls.settle(envelope.request_id)
-        stats = self.peer_stats(peer)
         tensor_bytes = frame.tensor_bytes()
-        stats.bytes_received += len(frame.payload) + tensor_bytes
-        stats.tensor_bytes_received += tensor_bytes
+        size = len(frame.payload) + tensor_bytes
         if pending is None:
+            metrics.late(self.peer_stats(peer), size, tensor_bytes)
             return  # timed out or failed already
         if self.suspects:
             self.suspects.discard(peer.id)
-        stats.replies += 1
-        stats.latency_total += time.monotonic() - pending.started
+        latency = time.monotonic() - pending.started
+        metrics.answered(pending.rows, size, tensor_bytes, latency, envelope.kind == ERROR)
         hook = None
         context_id = envelope.autograd_context_id
         if context_id and self.autograd_hooks is not None:
@@ -591,17 +614,17 @@ class Agent:
         try:
             value = codec.loads(frame, peer, hook)
         except Exception as exc:
-            stats.errors += 1
+            if envelope.kind != ERROR:
+                metrics.undecodable(pending.rows)
             settle(pending.future, error=exc)
             return
         if envelope.kind == ERROR:
-            stats.errors += 1
             settle(pending.future, error=rebuild_remote_exception(value))
         else:
             settle(pending.future, value)
 
     def _expire(self, call: Call) -> None:
-        self.peer_stats(call.peer).timeouts += 1
+        metrics.ended(call.rows, timed_out=True)
         settle(
             call.future,
             error=RpcTimeoutError(
@@ -637,6 +660,7 @@ class Agent:
         else:
             reason = error or PeerUnavailableError(f"stream to {peer.name} closed")
         for call in self.calls.broken(connection):  # not calls already on a newer stream
+            metrics.ended(call.rows, timed_out=False)
             settle(call.future, error=type(reason)(f"{call.what} on {peer.name} failed: {reason}"))
 
     # -- Serving ---------------------------------------------------------------
@@ -661,11 +685,8 @@ class Agent:
     def _serve(self, frame: codec.Frame, peer: WorkerInfo, respond) -> None:
         envelope = frame.envelope
         context_id = envelope.autograd_context_id
-        stats = self.peer_stats(peer)
-        stats.calls_served += 1
         tensor_bytes = frame.tensor_bytes()
-        stats.bytes_received += len(frame.payload) + tensor_bytes
-        stats.tensor_bytes_received += tensor_bytes
+        size = len(frame.payload) + tensor_bytes
         handler = self.handlers.get(envelope.kind)
         try:
             if handler is None:
@@ -678,10 +699,12 @@ class Agent:
                 hook = self.autograd_hooks.tensor_hook(context_id, peer, key)
             request, waits = codec.loads_waiting(frame, peer, hook)
         except BaseException as exc:
-            self._reply_error(exc, peer, envelope.request_id, respond)
+            rows = self.metrics.served(peer.name, envelope.kind, None, size, tensor_bytes)
+            self._reply_error(exc, peer, envelope.request_id, respond, rows)
             return
         del frame
-        run = (self._run, handler, request, peer, envelope.request_id, context_id, respond)
+        rows = self.metrics.served(peer.name, envelope.kind, request, size, tensor_bytes)
+        run = (self._run, handler, request, peer, envelope.request_id, context_id, respond, rows)
         if not waits:
             run[0](*run[1:])
             return
@@ -699,75 +722,72 @@ class Agent:
         for wait in waits:
             on_done(wait, ready)
 
-    def _run(self, handler, request, peer: WorkerInfo, request_id: int, context_id: int, respond):
+    def _run(
+        self, handler, request, peer: WorkerInfo, request_id: int, context_id: int, respond, rows
+    ):
         previous_context = thread_state.autograd_context_id
         thread_state.autograd_context_id = context_id
         try:
             result = handler(request, peer)
         except BaseException as exc:
-            self._reply_error(exc, peer, request_id, respond)
+            self._reply_error(exc, peer, request_id, respond, rows)
             return
         finally:
             thread_state.autograd_context_id = previous_context
         if isinstance(result, Deferred):
             on_done(
                 result.future,
-                lambda done: self._reply_future(done, peer, request_id, context_id, respond),
+                lambda done: self._reply_future(done, peer, request_id, context_id, respond, rows),
             )
         else:
-            self._reply(result, peer, request_id, context_id, respond)
+            self._reply(result, peer, request_id, context_id, respond, rows)
 
-    def _reply_future(self, done, peer, request_id, context_id, respond) -> None:
+    def _reply_future(self, done, peer, request_id, context_id, respond, rows) -> None:
         try:
             result = done.value()
         except BaseException as exc:
             # See api.rpc_sync: drop the frames (and the future) from the traceback.
             del done
-            self._reply_error(exc, peer, request_id, respond)
+            self._reply_error(exc, peer, request_id, respond, rows)
             exc.__traceback__ = None
             return
-        self._reply(result, peer, request_id, context_id, respond)
+        self._reply(result, peer, request_id, context_id, respond, rows)
 
-    def _reply(self, result: Any, peer: WorkerInfo, request_id: int, context_id: int, respond):
+    def _reply(
+        self, result: Any, peer: WorkerInfo, request_id: int, context_id: int, respond, rows
+    ):
         try:
-            out = codec.encode(
-                REPLY,
-                request_id,
-                result,
-                autograd_context_id=context_id,
-                peer=peer,
-                max_message_size=self.options.max_message_size,
-                shared_memory=self._shm_peers.get(peer.id),
-                shm_threshold=self.options.shm_threshold,
-                same_main=peer.id in self._same_main,
+            out = self._encode(
+                REPLY, request_id, result, peer, context_id, (peer.id, request_id, True)
             )
         except BaseException as exc:
-            self._reply_error(exc, peer, request_id, respond)
+            self._reply_error(exc, peer, request_id, respond, rows)
             return
-        if out.grad_tensors and context_id and self.autograd_hooks is not None:
-            key = (peer.id, request_id, True)
-            self.autograd_hooks.on_send(context_id, peer, key, out.grad_tensors)
-        stats = self.peer_stats(peer)
-        stats.bytes_sent += out.size
-        stats.tensor_bytes_sent += out.tensor_bytes
+        metrics.replied(rows, out.size, out.tensor_bytes, error=False)
         respond(out.pieces)
 
-    def _reply_error(self, exc: BaseException, peer: WorkerInfo, request_id: int, respond):
+    def _reply_error(self, exc: BaseException, peer: WorkerInfo, request_id: int, respond, rows):
         payload = remote_exception_payload(exc, self.info.name)
-        respond(codec.encode(ERROR, request_id, payload, peer=peer).pieces)
+        out = codec.encode(ERROR, request_id, payload, peer=peer)
+        metrics.replied(rows, out.size, out.tensor_bytes, error=True)
+        respond(out.pieces)
 
     # -- Lifecycle -------------------------------------------------------------
-    def wait_idle(self, timeout: float) -> bool:
-        """Wait until no request this worker sent is pending. False on timeout."""
+    def wait_idle(self, timeout: float, peer: int | None = None) -> bool:
+        """Wait until no request this worker sent (to rank ``peer``, if given) is
+        pending. False on timeout."""
         deadline = time.monotonic() + timeout
-        while self.calls:
-            for call in self.calls:
+        while waiting := [call for call in self.calls if peer is None or call.peer.id == peer]:
+            for call in waiting:
                 if not wait_until(call.future, deadline - time.monotonic()):
                     return False
         return True
 
-    def stop(self, graceful: bool) -> None:
-        """Close every stream and the server; fail what is still pending."""
+    def stop(self, graceful: bool, timeout: float = 5.0) -> None:
+        """Close every stream and the server; fail what is still pending.
+        Graceful closes share ``timeout`` seconds: a stream whose peer does not
+        finish in time (frozen, partitioned) is cancelled instead."""
+        deadline = time.monotonic() + timeout
         self.ready.set()  # release requests that waited for an init that failed
         with self._connect_lock:
             self._stopped = True
@@ -775,16 +795,20 @@ class Agent:
             self._connections.clear()
             opened, self._opened = self._opened, []
         for call in self.calls.close_all():
+            metrics.ended(call.rows, timed_out=False)
             settle(call.future, error=RpcError(f"rrpc on {self.info.name} shut down"))
         for connection in connections:
-            connection.close() if graceful else connection.abort()
+            if graceful:
+                connection.close(max(0.0, deadline - time.monotonic()))
+            else:
+                connection.abort()
         for connection in opened:  # broken ones too: an open channel can hang exit
             connection.release()
-        self.server.stop(1.0 if graceful else 0)
+        self.server.stop(min(1.0, max(0.0, deadline - time.monotonic())) if graceful else 0)
         if self.shm_pool is not None:
             self.shm_pool.close()
         self._deadlines.stop()
-        self._pool.stop(5.0 if graceful else 0.5)
+        self._pool.stop(max(0.5, deadline - time.monotonic()) if graceful else 0.5)
 
 
 _current: Agent | None = None

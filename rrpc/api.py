@@ -17,11 +17,13 @@ from typing import Any
 import torch
 
 from rrpc import agent as agent_module
-from rrpc import codec, functions
+from rrpc import codec, functions, membership, metrics, profiling
 from rrpc.agent import Agent, Deferred, current_agent
+from rrpc.faults import FaultyRpcBackendOptions
 from rrpc.functions import async_result_error, callable_name, is_async_execution
 from rrpc.messages import CALL, RpcError, WorkerInfo
 from rrpc.options import UNSET_RPC_TIMEOUT, RpcBackendOptions
+from rrpc.profiling import profiler_enabled
 from rrpc.rendezvous import Rendezvous, advertise_host, resolve_world
 
 
@@ -30,11 +32,13 @@ class BackendType(enum.Enum):
 
     TENSORPIPE = "TENSORPIPE"
     GRPC = "GRPC"
+    FAULTY_TENSORPIPE = "FAULTY_TENSORPIPE"  # with rrpc.FaultyRpcBackendOptions (faults.py)
 
 
 _lock = threading.Lock()
 _rendezvous: Rendezvous | None = None
 _thread_local_var = threading.local()  # future_list: see _wait_all
+_exporter: metrics.Exporter | None = None  # the Prometheus endpoint (metrics_port)
 
 
 def init_rpc(
@@ -76,7 +80,7 @@ def init_rpc(
             f"torch's), not {backend!r}"
         )
     options = rpc_backend_options or RpcBackendOptions()
-    if backend is None and type(options) is not RpcBackendOptions:
+    if backend is None and type(options) not in (RpcBackendOptions, FaultyRpcBackendOptions):
         # torch infers the backend from the options' exact class
         raise TypeError(f"Could not infer backend for options {options!r}")
     if not isinstance(options, RpcBackendOptions):
@@ -95,18 +99,27 @@ def init_rpc(
         rendezvous = Rendezvous(rank, world_size, store_host, store_port, options.init_timeout)
         _set_restricted(options.restricted)
         agent = None
+        group = None  # a dynamic group's membership (rrpc/membership.py)
         try:
             agent = Agent(name, rank, advertise_host(store_host, options.advertise_host), options)
+            if world_size is None:
+                group = membership.Group(rendezvous, rank)
+                agent.incarnation = group.next_incarnation(options.init_timeout)
             # Every handler is in place before any peer can learn our address.
             agent.register(CALL, _run_restricted_call if options.restricted else _run_call)
             for start in agent_module.on_start:
                 start(agent)
-            for info, address, advertised in rendezvous.exchange(
-                name, agent.address, agent.advertisement()
-            ):
-                agent.add_peer(info, address, advertised)
-            agent.lookup = rendezvous.lookup
+            _start_exporter(agent)
+            if group is not None:
+                group.join(agent, options.init_timeout)
+                agent.lookup = group.lookup
+            else:
+                for info, address, advertised in rendezvous.exchange(
+                    name, agent.address, agent.advertisement()
+                ):
+                    agent.add_peer(info, address, advertised)
         except BaseException:
+            _stop_exporter()
             if agent is not None:
                 agent.stop(graceful=False)
             rendezvous.close(timeout=0)
@@ -115,6 +128,8 @@ def init_rpc(
         agent_module.set_current_agent(agent)
         agent.ready.set()  # requests that came in meanwhile run from now on
         _stop_before_threads_are_joined()
+        if group is not None:
+            group.announce()
 
 
 def shutdown(graceful: bool = True, timeout: float = 0) -> None:
@@ -127,6 +142,13 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
     unlike PyTorch, a worker that died is noticed and not waited for. With
     ``graceful=False`` it stops at once and fails its pending calls.
     Afterwards ``init_rpc`` may be called again.
+
+    In a dynamic group (no world size) a worker leaves alone while the others
+    go on: it lets go of its RRefs, waits for its own calls and for those the
+    others have on it, then leaves (see ``rrpc/membership.py``). A worker that
+    cannot reach the rendezvous store logs it and raises ``RpcError`` (having
+    stopped). Every step shares one deadline: ``shutdown(timeout=T)`` returns
+    or raises within T plus a second or two.
     """
     global _rendezvous
     with _lock:
@@ -136,15 +158,22 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
         rendezvous = _rendezvous
         # One deadline for every step, so that shutdown(timeout=T) ends within T.
         deadline = time.monotonic() + timeout if timeout > 0 else math.inf
+        group = membership.current()
+        left = False
         try:
             if graceful:
+                if group is not None:
+                    group.release_rrefs()
                 for drain in agent_module.on_drain:
                     drain(_remaining(deadline))
                 if not agent.wait_idle(_remaining(deadline)):
                     raise RpcError(
                         f"shutdown of {agent.info.name}: calls still pending after {timeout:g} s"
                     )
-                if rendezvous is not None:
+                if group is not None:
+                    left = True
+                    group.leave(deadline, graceful=True)
+                elif rendezvous is not None:
                     rendezvous.barrier(
                         "shutdown",
                         timeout,
@@ -153,7 +182,11 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
                         deadline=deadline,
                     )
         finally:
-            agent.stop(graceful)
+            if group is not None and not left:
+                with contextlib.suppress(RpcError):
+                    group.leave(deadline, graceful=False)
+            _stop_exporter()
+            agent.stop(graceful, min(5.0, _remaining(deadline)))
             for stop in agent_module.on_stop:
                 stop()
             agent_module.set_current_agent(None)
@@ -296,7 +329,11 @@ def _send_call(to, func, args, kwargs, timeout: float, sync: bool):
     peer = agent.worker_info(to)
     what = f"call of {callable_name(func)}"
     payload = (func, args or (), kwargs or {})
-    return agent.send(peer, CALL, payload, agent.resolve_timeout(timeout), what, sync)
+    timeout = agent.resolve_timeout(timeout)
+    if profiler_enabled():  # the one check profiling costs a call (rrpc/profiling.py)
+        mode = "sync" if sync else "async"
+        return profiling.send(agent, peer, CALL, payload, timeout, what, mode, func)
+    return agent.send(peer, CALL, payload, timeout, what, sync)
 
 
 def get_rpc_timeout() -> float:
@@ -320,7 +357,63 @@ def get_worker_info(worker_name: str | None = None) -> WorkerInfo:
     return agent.info if worker_name is None else agent.worker_info(worker_name)
 
 
-def stats() -> dict[str, dict[str, float]]:
-    """Per-peer traffic counters of this worker: calls, bytes, tensor bytes,
-    errors, timeouts and mean latency, keyed by peer name."""
-    return {name: peer.as_dict() for name, peer in current_agent().stats.items()}
+def stats(by: str = "peer") -> dict[str, Any]:
+    """This worker's counters, by peer (the default), by function, or as a whole.
+
+    ``by="peer"``: ``{peer name: row}``; ``by="function"``: ``{function: row}``,
+    a function named ``module.qualname`` (``torch.add``, ``__main__.step``) or,
+    for rrpc's own protocol messages, by their kind (``RREF_FETCH``). A row:
+    of the calls this worker sent, ``calls_sent``, ``replies``, ``errors``,
+    ``timeouts``, ``in_flight`` and their latency (``latency_total`` in
+    seconds, ``latency_mean_us``, ``latency_p50_us``, ``latency_p99_us``); of
+    the requests it served, ``calls_served`` and ``errors_served``; traffic
+    both ways, ``bytes_sent``, ``bytes_received``, ``tensor_bytes_sent``,
+    ``tensor_bytes_received``. ``by="worker"``: ``in_flight``,
+    ``queue_depth`` (requests waiting for a worker thread), the RRef tables
+    (``rref_debug_info()``) and distributed autograd's (``autograd_*``).
+    Details in ``rrpc/metrics.py``.
+
+    Example::
+
+        rrpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1))
+        rrpc.stats()["worker1"]["calls_sent"]                  # 1
+        rrpc.stats("function")["torch.add"]["latency_p50_us"]  # e.g. 180.5
+    """
+    agent = current_agent()
+    if by == "worker":
+        return worker_stats(agent)
+    if by == "peer":
+        rows = agent.metrics.peers
+    elif by == "function":
+        rows = agent.metrics.functions
+    else:
+        raise ValueError(f"stats(by={by!r}): by is 'peer', 'function' or 'worker'")
+    return {name: row.as_dict() for name, row in list(rows.items())}
+
+
+def worker_stats(agent: Agent) -> dict[str, float]:
+    """``stats("worker")`` of ``agent``: what is open or queued, and the tables' sizes."""
+    from rrpc import autograd, rref  # protocols built on this module's neighbours
+
+    gauges: dict[str, float] = {"in_flight": len(agent.calls), "queue_depth": agent.queue_depth()}
+    gauges.update(rref.rref_debug_info())
+    gauges.update({f"autograd_{name}": n for name, n in autograd._debug_info().items()})
+    return gauges
+
+
+def _start_exporter(agent: Agent) -> None:
+    """The Prometheus endpoint, on the worker's own host, if ``metrics_port`` is set."""
+    global _exporter
+    port = agent.options.metrics_port
+    if port:
+        host = agent.address.rsplit(":", 1)[0].strip("[]")
+        _exporter = metrics.Exporter(
+            host, port, agent.info.name, agent.metrics, lambda: worker_stats(agent)
+        )
+
+
+def _stop_exporter() -> None:
+    global _exporter
+    exporter, _exporter = _exporter, None
+    if exporter is not None:
+        exporter.stop()

@@ -66,6 +66,7 @@ from typing import Any
 import torch
 
 from rrpc import agent as agent_module
+from rrpc import profiling
 from rrpc.agent import Agent, Deferred
 from rrpc.autograd_context import Context, ContextTable, MessageKey
 from rrpc.futures import all_of, all_settled, on_done, wait_until
@@ -177,9 +178,10 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
             raise RuntimeError(f"roots[{index}] does not have a valid gradient function")
     context = _contexts().get(context_id)
     agent = agent_module.current_agent()
-    hops = _local_pass(agent, context, roots, [torch.ones_like(root) for root in roots])
-    if hops:
-        all_of(hops).wait()  # a hop's error names its node already
+    with profiling.backward_pass(context_id):  # an event, when this thread profiles
+        hops = _local_pass(agent, context, roots, [torch.ones_like(root) for root in roots])
+        if hops:
+            all_of(hops).wait()  # a hop's error names its node already
 
 
 def get_gradients(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
@@ -410,7 +412,8 @@ def _on_backward(payload: tuple, caller: WorkerInfo) -> Any:
     grads = [
         grad.to(output.device) for output, grad in zip(outputs, by_index.values(), strict=True)
     ]
-    hops = _local_pass(agent_module.current_agent(), context, outputs, grads)
+    with profiling.send_function_pass(context_id):  # profiled if its backward is
+        hops = _local_pass(agent_module.current_agent(), context, outputs, grads)
     return Deferred(all_of(hops)) if hops else None
 
 
@@ -505,7 +508,7 @@ class _Hooks:
 
 def _start(agent: Agent) -> None:
     global _table
-    _table = ContextTable(agent.info.id)
+    _table = ContextTable(agent.info.id, first=1 + (agent.incarnation << 32))
     agent.register(AUTOGRAD_BACKWARD, _on_backward)
     agent.register(AUTOGRAD_RELEASE, _on_release)
     agent.autograd_hooks = _Hooks(_table)

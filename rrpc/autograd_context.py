@@ -103,14 +103,16 @@ class Context:
 class ContextTable:
     """Every context alive on this worker, by id."""
 
-    def __init__(self, rank: int):
+    def __init__(self, rank: int, first: int = 1):
         if not 0 <= rank < 1 << (64 - CONTEXT_ID_BITS - 1):
             raise ValueError(f"rank {rank} does not fit in an autograd context id")
         self.rank = rank
         self._lock = threading.Lock()
         self._contexts: dict[int, Context] = {}
         self._released: OrderedDict[int, None] = OrderedDict()
-        self._counter = itertools.count(1)  # 0 would make rank 0's first id "no context"
+        # From 1: 0 would make rank 0's first id "no context". A rank that rejoined
+        # a dynamic group starts past its earlier incarnations' ids (``first``).
+        self._counter = itertools.count(first)
 
     def create(self) -> Context:
         context_id = (self.rank << CONTEXT_ID_BITS) | next(self._counter)

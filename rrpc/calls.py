@@ -44,6 +44,7 @@ class Call:
     deadline: float  # time.monotonic() seconds; math.inf: none
     started: float
     stream: Any  # the connection it went out on (identity only)
+    rows: Any = None  # the metrics rows it counts in (metrics.Rows)
 
     @property
     def timeout(self) -> float:
@@ -66,11 +67,12 @@ class CallTable:
         timeout: float,
         now: float,
         stream: Any = None,
+        rows: Any = None,
     ) -> bool:
         """Record a call sent at ``now``, ``timeout`` seconds to live (0: none).
         True if its deadline is now the earliest: the deadline watcher must wake."""
         deadline = now + timeout if timeout > 0 else math.inf
-        self._calls[request_id] = Call(request_id, future, peer, what, deadline, now, stream)
+        self._calls[request_id] = Call(request_id, future, peer, what, deadline, now, stream, rows)
         if deadline < self._earliest:
             self._earliest = deadline
             return True

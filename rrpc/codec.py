@@ -26,9 +26,14 @@ Rules:
   copy from the socket's packets, none after. A buffer sent through shared
   memory (``shm.py``) has size 0 in the stream and a descriptor in the
   envelope; the reader builds the tensor over the peer's slot, with no copy.
-- Every length is checked before it is trusted: the envelope's size, and the
-  frame's total (shared buffers included) against ``max_message_size``; the
-  error gives both numbers.
+- Every length is checked before it is trusted: the envelope's size, the
+  frame's total (shared buffers included) against ``max_message_size``, and
+  its count of buffers against ``MAX_BUFFERS``; the error gives both numbers.
+- Memory is committed as bytes arrive, never as they are announced: a buffer
+  declared larger than ``GROW_FROM`` grows (``_GrowingBuffer``: anonymous
+  memory enlarged in place by ``mremap``, no copy) as its bytes come in, so a
+  frame that declares 16 GiB and sends a few KiB costs a few MiB. A stream
+  that ends drops its reader's partial frame (``FrameReader.close``).
 - With an auth token, each direction of a stream opens with a HANDSHAKE frame
   (``handshake_frame``; see ``auth.py``): an envelope alone, which
   ``read_handshake`` reads strictly, before anything else the peer sent.
@@ -48,6 +53,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import io
+import mmap
 import pickle
 import struct
 import sys
@@ -67,6 +73,11 @@ from rrpc.shm import Placer
 
 HEADER = struct.Struct("<I")
 MAX_ENVELOPE_SIZE = 1 << 20  # an envelope is tens of bytes; anything near this is garbage
+# Tensor buffers in one frame. Each costs the receiver a Python object (~100
+# bytes) for as little as one byte on the wire; a message of more tensors than
+# this is refused by its sender.
+MAX_BUFFERS = 1 << 16
+GROW_FROM = 32 << 20  # a received buffer larger than this grows as its bytes arrive
 PICKLE_PROTOCOL = 5
 
 # Tensors travel with a small int for their dtype, not a pickled torch.dtype.
@@ -461,6 +472,11 @@ def encode(
     copied into its slots and only their descriptors travel in the frame.
     ``same_main``: the peer runs this worker's ``__main__`` script (see ``dumps``)."""
     payload, buffers, grad_tensors = dumps(obj, peer, same_main)
+    if len(buffers) > MAX_BUFFERS:
+        raise MessageTooLargeError(
+            f"message to {peer} has {len(buffers)} tensor buffers, more than the "
+            f"{MAX_BUFFERS} a message may carry"
+        )
     raw = [buffer.raw() for buffer in buffers]
     sizes = [len(view) for view in raw]
     tensor_bytes = sum(sizes)
@@ -507,9 +523,21 @@ class Frame:
     # One writable 1-D uint8 buffer per out-of-band buffer: a numpy array when
     # it came in the stream, a tensor over the slot when through shared memory.
     buffers: list[np.ndarray | torch.Tensor]
+    # Called once, when the payload is unpickled (``loads``) or the frame is
+    # dropped undecoded: the transport's count of a peer's requests waiting
+    # to be run (transport._InFlight).
+    on_consumed: Callable[[], None] | None = None
 
     def tensor_bytes(self) -> int:
         return sum(len(buffer) for buffer in self.buffers)
+
+    def consumed(self) -> None:
+        callback, self.on_consumed = self.on_consumed, None
+        if callback is not None:
+            callback()
+
+    def __del__(self) -> None:
+        self.consumed()
 
 
 def loads(
@@ -542,6 +570,7 @@ def loads_waiting(
         raise SerializationError(f"cannot unpickle a message from {peer}: {exc!r}{hint}") from exc
     finally:
         _state.peer, _state.tensor_hook, _state.waits = previous
+        frame.consumed()
 
 
 # -- Restricted unpickling ---------------------------------------------------------
@@ -719,11 +748,54 @@ def _declared_size(envelope: Envelope) -> int:
     return envelope.payload_size + sum(envelope.buffer_sizes) + shared
 
 
+class _GrowingBuffer:
+    """A received buffer declared larger than ``GROW_FROM``, filled as its
+    bytes arrive: anonymous memory that starts small and doubles (``mremap``
+    moves pages, it copies nothing) until it holds the declared size. What
+    was announced but never sent costs neither memory nor address space
+    (beyond the first ``_FIRST`` bytes)."""
+
+    __slots__ = ("size", "_map")
+    _FIRST = 4 << 20
+
+    def __init__(self, size: int):
+        self.size = size
+        self._map: mmap.mmap | None = None
+
+    def __len__(self) -> int:
+        return self.size
+
+    def write(self, start: int, data: memoryview) -> None:
+        end = start + len(data)
+        memory = self._map
+        capacity = len(memory) if memory is not None else 0
+        if end > capacity:
+            capacity = min(self.size, max(end, 2 * capacity, self._FIRST))
+            if memory is None:
+                memory = mmap.mmap(-1, capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+                self._map = memory
+            else:
+                memory.resize(capacity)
+            if _HUGE_PAGES is not None:  # as numpy does for large arrays: fewer page faults
+                memory.madvise(_HUGE_PAGES)
+        assert memory is not None
+        memory[start:end] = data
+
+    def array(self) -> np.ndarray:
+        """The filled buffer, for the tensor to be built over (no copy)."""
+        assert self._map is not None and len(self._map) == self.size
+        return np.frombuffer(self._map, dtype=np.uint8)
+
+
+_HUGE_PAGES = getattr(mmap, "MADV_HUGEPAGE", None)
+
+
 class FrameReader:
     """Reassembles frames from a stream's packets, whatever their cut.
 
     ``feed(packet)`` returns the frames the packet completes. Each out-of-band
-    buffer is copied once, from the packets into a tensor allocated for it.
+    buffer is copied once, from the packets into a tensor allocated for it;
+    memory is taken as the bytes arrive (see the rules at the top).
     """
 
     def __init__(
@@ -737,30 +809,41 @@ class FrameReader:
         self._envelope: Envelope | None = None
         self._payload = bytearray()
         self._buffers: list[np.ndarray | torch.Tensor] = []
-        self._target: np.ndarray | None = None  # the buffer being filled
+        self._target: np.ndarray | _GrowingBuffer | None = None  # the buffer being filled
         self._filled = 0
 
+    def close(self) -> None:
+        """The stream ended: drop the frame being read, and its memory."""
+        self._head = bytearray()
+        self._envelope, self._target, self._buffers = None, None, []
+        self._payload = bytearray()
+
     def feed(self, packet: bytes) -> list[Frame]:
-        frames: list[Frame] = []
+        return list(self.frames_in(packet))
+
+    def frames_in(self, packet: bytes) -> Iterator[Frame]:
+        """The frames ``packet`` completes, each read only when asked for: a
+        reader that stops asking (its peer has too many requests waiting)
+        holds the packet's bytes, not thousands of decoded frames."""
         view = memoryview(packet)
         position, end = 0, len(packet)
         while True:
             if self._envelope is None:
                 if position == end:
-                    return frames
+                    return
                 if not self._head:
                     whole = self._read_whole_frame(view, position)
                     if whole is not None:
-                        frames.append(whole[0])
                         position = whole[1]
+                        yield whole[0]
                         continue
                 position = self._read_envelope(view, position)
                 continue
             self._open_next_buffer()
             if self._complete():
-                frames.append(self._take())
+                yield self._take()
             elif position == end:
-                return frames
+                return
             else:
                 position = self._read_body(view, position)
 
@@ -782,8 +865,8 @@ class FrameReader:
         sizes = list(envelope.buffer_sizes)
         payload_end = body + envelope.payload_size
         frame_end = payload_end + sum(sizes)
-        if frame_end > end or envelope.shared_buffers:
-            return None  # also checks the size limit, counting shared buffers
+        if frame_end > end or envelope.shared_buffers or len(sizes) > MAX_BUFFERS:
+            return None  # also checks the limits, counting shared buffers
         if self.max_message_size and frame_end - body > self.max_message_size:
             return None  # the general path raises the error
         buffers: list[np.ndarray | torch.Tensor] = []
@@ -821,6 +904,11 @@ class FrameReader:
         if self.max_message_size and size > self.max_message_size:
             raise MessageTooLargeError(
                 f"incoming message of {size} bytes exceeds max_message_size={self.max_message_size}"
+            )
+        if len(envelope.buffer_sizes) > MAX_BUFFERS:
+            raise ProtocolError(
+                f"incoming message of {len(envelope.buffer_sizes)} tensor buffers exceeds the "
+                f"limit of {MAX_BUFFERS}"
             )
         self._head.clear()
         self._envelope = envelope
@@ -863,8 +951,9 @@ class FrameReader:
                 self._buffers.append(tensor)
                 self._target = None
                 continue
-            buffer = np.empty(sizes[index], dtype=np.uint8)
-            self._buffers.append(buffer)
+            size = sizes[index]
+            buffer = np.empty(size, dtype=np.uint8) if size <= GROW_FROM else _GrowingBuffer(size)
+            self._buffers.append(buffer)  # type: ignore[arg-type]  # a _GrowingBuffer until full
             self._target, self._filled = buffer, 0
 
     def _complete(self) -> bool:
@@ -881,11 +970,17 @@ class FrameReader:
             take = min(missing, available)
             self._payload += view[position : position + take]
             return position + take
-        assert self._target is not None
-        take = min(len(self._target) - self._filled, available)
-        self._target[self._filled : self._filled + take] = np.frombuffer(
-            view, dtype=np.uint8, count=take, offset=position
-        )
+        target = self._target
+        assert target is not None
+        take = min(len(target) - self._filled, available)
+        if isinstance(target, _GrowingBuffer):
+            target.write(self._filled, view[position : position + take])
+            if self._filled + take == len(target):
+                self._buffers[-1] = target.array()
+        else:
+            target[self._filled : self._filled + take] = np.frombuffer(
+                view, dtype=np.uint8, count=take, offset=position
+            )
         self._filled += take
         return position + take
 

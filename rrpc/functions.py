@@ -147,7 +147,7 @@ def _internal_calls() -> dict[int, Any]:
         int,  # the agent's liveness probe
         rref._invoke_on_owner,  # checks the method: check_method
         rref._backward_on_owner,
-        rref._type_of,
+        rref._rref_typeof_on_owner,
         optim._new_local_optimizer,
         optim._local_optimizer_step,
         remote_module._create_module,  # the module class must be exposed to arrive

@@ -30,6 +30,10 @@ RREF_DELETE = 24  # user forks are gone (dropped, no copies in flight), one or m
 RREF_CREATE_FAILED = 25  # a CREATE was refused before it ran: fail waiters of its value
 AUTOGRAD_BACKWARD = 30  # gradients for a send node, run the rest of the pass there
 AUTOGRAD_RELEASE = 31  # a context ended; free its state
+# A flag on a request kind: run it under the caller's profiler. Payload
+# (config, request of the plain kind); the reply is (events, reply). See
+# rrpc/profiling.py.
+PROFILED = 0x100
 
 KIND_NAMES = {
     value: name
@@ -39,6 +43,8 @@ KIND_NAMES = {
 
 
 def kind_name(kind: int) -> str:
+    if kind & PROFILED and kind != PROFILED:
+        return f"{kind_name(kind & ~PROFILED)} (profiled)"
     return KIND_NAMES.get(kind, f"unknown kind {kind}")
 
 

@@ -57,6 +57,9 @@ class RpcBackendOptions:
             ``rrpc.functions.expose`` and unpickle only safe types, for networks
             whose authenticated peers are not trusted to run code (env
             ``RRPC_RESTRICTED``; see ``rrpc/functions.py``).
+        metrics_port: serve Prometheus metrics (``rrpc.stats()``) over HTTP on this
+            port of the worker's host (env ``RRPC_METRICS_PORT``; 0: off, the
+            default; needs ``prometheus-client``, the ``metrics`` extra).
         tls_cert_file / tls_key_file / tls_ca_file: PEM files; when all are set,
             every stream is TLS with client certificates checked against the CA.
         devices / device_maps: accepted for compatibility; rrpc moves tensors
@@ -84,6 +87,7 @@ class RpcBackendOptions:
     tls_cert_file: str | None = field(default_factory=lambda: os.environ.get("RRPC_TLS_CERT"))
     tls_key_file: str | None = field(default_factory=lambda: os.environ.get("RRPC_TLS_KEY"))
     tls_ca_file: str | None = field(default_factory=lambda: os.environ.get("RRPC_TLS_CA"))
+    metrics_port: int = field(default_factory=lambda: int(os.environ.get("RRPC_METRICS_PORT") or 0))
     devices: list[Any] | None = None
     device_maps: dict[str, dict[Any, Any]] | None = None
 
@@ -113,6 +117,8 @@ class RpcBackendOptions:
             )
         if self.peer_timeout < 1.0:
             raise ValueError(f"peer_timeout must be >= 1 second, got {self.peer_timeout}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be a TCP port (0: off), got {self.metrics_port}")
         if self.chunk_size < 4096:
             raise ValueError(f"chunk_size must be >= 4096 bytes, got {self.chunk_size}")
 

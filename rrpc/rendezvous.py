@@ -1,18 +1,22 @@
-"""Names ⇄ addresses, through the ``torch.distributed`` TCPStore.
+"""Names ⇄ addresses, through the ``torch.distributed`` store (TCPStore, FileStore).
 
-Every worker publishes ``rank -> (name, address)`` under a prefix unique to
-this init and waits until all ``world_size`` ranks have. Rank 0 hosts the store
-at MASTER_ADDR:MASTER_PORT, except under torchrun, whose elastic agent already
-hosts one there (``TORCHELASTIC_USE_AGENT_STORE``): then every rank is a client,
-exactly as ``init_process_group`` behaves.
+Static groups (a world size): every worker publishes ``rank -> (name, address)``
+under a prefix unique to this init and waits until all ``world_size`` ranks
+have. Rank 0 hosts the store at MASTER_ADDR:MASTER_PORT, except under
+torchrun, whose elastic agent already hosts one there
+(``TORCHELASTIC_USE_AGENT_STORE``): then every rank is a client, exactly as
+``init_process_group`` behaves. The same store carries the shutdown barriers.
 
-The same store carries the shutdown barriers.
+Dynamic groups (no world size): ``rrpc/membership.py`` keeps the group in the
+store; this module opens the store and runs its requests. Rank 0 hosts the
+store unless one already serves that address (a standalone ``TCPStore``
+server, torchrun's c10d rendezvous endpoint): then it is a client like every
+other member, and no member is special.
 
-Dynamic membership (``world_size=None``, as PyTorch's dynamic RPC): a worker
-may join at any time. It publishes itself the same way and learns who is
-there; workers already running learn of it lazily, when a name or rank they
-do not know is asked for or calls them (``lookup``). There is no barrier at
-shutdown in this mode, and the store's host (rank 0) must leave last.
+Every store request this module makes on the way out (barrier, leaving) and
+every membership request runs under a time limit (``request``): TCPStore's own
+timeout does not cover a store that accepts connections but never answers (a
+frozen or partitioned host), and such a request would block for minutes.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 import torch.distributed as dist
@@ -34,7 +39,20 @@ import torch.distributed as dist
 from rrpc import logs
 from rrpc.messages import RpcError, WorkerInfo
 
+T = TypeVar("T")
+
 _generations = itertools.count()  # one prefix per init in this process
+
+# Seconds one store request may take before the store counts as unreachable,
+# where the caller gives no deadline of its own (a shutdown without timeout, a
+# membership look-up). A request is one round trip: a healthy store answers in
+# milliseconds, even under load.
+REQUEST_LIMIT = 10.0
+DEADLINE_LOOK = 0.5  # seconds a barrier past its deadline may spend naming the missing
+
+
+class StoreUnreachableError(RpcError, ConnectionError):
+    """The rendezvous store did not answer a request in time, or refused it."""
 
 
 def resolve_world(
@@ -130,6 +148,10 @@ def advertise_host(master_host: str, configured: str | None) -> str:
         return socket.gethostbyname(socket.gethostname())
 
 
+def _address_in_use(error: BaseException) -> bool:
+    return "EADDRINUSE" in str(error) or "address already in use" in str(error).lower()
+
+
 class Rendezvous:
     def __init__(self, rank: int, world_size: int | None, host: str, port: int, timeout: float):
         self.rank = rank
@@ -141,11 +163,62 @@ class Rendezvous:
         self._gone: set[int] = set()  # ranks found dead at a barrier: nobody waits for them
         self.hosting = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
         try:
-            self.store = _open_store(host, port, world_size, self.hosting, timeout)
+            try:
+                self.store = _open_store(host, port, world_size, self.hosting, timeout)
+            except Exception as exc:
+                if not (self.hosting and world_size is None and _address_in_use(exc)):
+                    raise
+                # A dynamic group's store already serves there (a standalone
+                # server, torchrun's c10d endpoint): rank 0 is a member like any other.
+                self.hosting = False
+                self.store = _open_store(host, port, world_size, False, timeout)
         except Exception as exc:
             raise RpcError(
                 f"rank {rank} cannot reach the rendezvous store at {self.where}: {exc}"
             ) from exc
+
+    def request(self, what: str, operation: Callable[[], T], limit: float = REQUEST_LIMIT) -> T:
+        """``operation()`` (one or a few store requests), or ``StoreUnreachableError``
+        if it fails to reach the store or takes more than ``limit`` seconds.
+
+        It runs on a thread of its own (``rrpc-store``) so that the caller can
+        stop waiting: a request to a frozen store never returns. That thread
+        is a daemon and ends when the request does, if it ever does."""
+        outcome: list[Any] = []
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                outcome.append((True, operation()))
+            except BaseException as exc:
+                outcome.append((False, exc))
+            done.set()
+
+        threading.Thread(target=run, name="rrpc-store", daemon=True).start()
+        if not done.wait(max(0.0, limit)):
+            raise self._unreachable(what, f"no answer within {limit:.3g} s")
+        ok, value = outcome[0]
+        if ok:
+            return value
+        if isinstance(value, (dist.DistError, ConnectionError, OSError)):
+            raise self._unreachable(what, str(value).splitlines()[0] if str(value) else "") from (
+                value
+            )
+        raise value
+
+    def _unreachable(self, what: str, why: str) -> StoreUnreachableError:
+        logs.event(
+            "store-unreachable",
+            self.where,
+            "rank %d cannot reach the rendezvous store at %s (%s): %s",
+            self.rank,
+            self.where,
+            what,
+            why,
+        )
+        return StoreUnreachableError(
+            f"rank {self.rank} cannot reach the rendezvous store at {self.where} ({what}): {why}"
+        )
 
     def _keys(self, tag: str) -> list[str]:
         assert self.world_size is not None
@@ -162,13 +235,8 @@ class Rendezvous:
                 f"of world_size {self.world_size} never arrived"
             ) from exc
 
-    def exchange(
-        self, name: str, address: str, advertised: dict
-    ) -> list[tuple[WorkerInfo, str, dict]]:
-        """Publish this worker, wait for all, and return every worker's
-        (WorkerInfo, address, what it advertised)."""
-        if self.store.add(f"{self.prefix}claim/{self.rank}", 1) > 1:
-            raise RpcError(f"rank {self.rank} is claimed by more than one worker")
+    def mark_mode(self) -> None:
+        """Say whether this init is static or dynamic; refuse a group that mixes both."""
         mode, other = ("dynamic", "static") if self.world_size is None else ("static", "dynamic")
         self.store.set(f"{self.prefix}{mode}", "1")
         if self.store.check([f"{self.prefix}{other}"]):
@@ -176,16 +244,17 @@ class Rendezvous:
                 "RPC group mixes statically and dynamically initialized members which is not "
                 f"supported: rank {self.rank} joins as {mode}, others as {other}"
             )
-        if self.world_size is None and self.store.add(f"{self.prefix}name/{name}", 1) > 1:
-            raise RpcError(f"worker name {name!r} is not unique: another worker joined with it")
+
+    def exchange(
+        self, name: str, address: str, advertised: dict
+    ) -> list[tuple[WorkerInfo, str, dict]]:
+        """A static group: publish this worker, wait for all, and return every
+        worker's (WorkerInfo, address, what it advertised)."""
+        assert self.world_size is not None, "a dynamic group joins through rrpc.membership"
+        if self.store.add(f"{self.prefix}claim/{self.rank}", 1) > 1:
+            raise RpcError(f"rank {self.rank} is claimed by more than one worker")
+        self.mark_mode()
         self.store.set(f"{self.prefix}worker/{self.rank}", json.dumps([name, address, advertised]))
-        self.store.set(f"{self.prefix}rank-of/{name}", str(self.rank))
-        if self.world_size is None:
-            joined = self.store.add(f"{self.prefix}joined", 1)
-            self.store.set(f"{self.prefix}joined/{joined}", str(self.rank))
-            ranks = [int(self.store.get(f"{self.prefix}joined/{i}")) for i in range(1, joined + 1)]
-            found = (self.lookup(rank) for rank in ranks)
-            return [entry for entry in found if entry is not None]
         self._wait("worker", self.timeout, "rendezvous")
         table = [json.loads(self.store.get(key)) for key in self._keys("worker")]
         names = Counter(entry[0] for entry in table)
@@ -196,19 +265,6 @@ class Rendezvous:
         return [
             (WorkerInfo(entry[0], rank), entry[1], entry[2]) for rank, entry in enumerate(table)
         ]
-
-    def lookup(self, worker: str | int) -> tuple[WorkerInfo, str, dict] | None:
-        """A worker that joined, by name or rank; None if there is none."""
-        if isinstance(worker, str):
-            key = f"{self.prefix}rank-of/{worker}"
-            if not self.store.check([key]):
-                return None
-            worker = int(self.store.get(key))
-        key = f"{self.prefix}worker/{worker}"
-        if not self.store.check([key]):
-            return None
-        name, address, advertised = json.loads(self.store.get(key))
-        return WorkerInfo(name, worker), address, advertised
 
     def barrier(
         self,
@@ -229,13 +285,11 @@ class Rendezvous:
         suspected dead (``suspects``, whose streams broke) are probed at once,
         others every few seconds.
 
-        If the store itself is gone (its host, rank 0's process, died), the
-        barrier passes when ``gone`` confirms every other rank dead, and
-        raises saying so otherwise."""
+        If the store itself is gone (its host, rank 0's process, died) or does
+        not answer (frozen, partitioned), the barrier passes when ``gone``
+        confirms every other rank dead, and raises saying so otherwise."""
         if self.world_size is None:
             return
-        if deadline != math.inf:  # no store request may outlast the caller's deadline
-            self.store.set_timeout(timedelta(seconds=max(0.5, deadline - time.monotonic())))
         try:
             self._barrier(tag, timeout, gone, suspects, deadline)
         except (dist.DistError, ConnectionError) as exc:
@@ -267,52 +321,82 @@ class Rendezvous:
         deadline: float = math.inf,
     ) -> None:
         assert self.world_size is not None
-        self.store.set(f"{self.prefix}{tag}/{self.rank}", "1")
-        counter = f"{self.prefix}{tag}/arrived"
-        arrived = self.store.add(counter, 1)
+        store = self.store
         start = time.monotonic()
         if timeout > 0:
             deadline = min(deadline, start + timeout)
+
+        def limit() -> float:  # no store request outlasts the deadline
+            return max(0.0, min(REQUEST_LIMIT, deadline - time.monotonic()))
+
+        def arrive() -> int:
+            store.set(f"{self.prefix}{tag}/{self.rank}", "1")
+            return store.add(counter, 1)
+
+        def missing(within: float | None = None) -> list[int]:
+            keys = self._keys(tag)
+            return self.request(
+                f"barrier {tag!r}",
+                lambda: [rank for rank, key in enumerate(keys) if not store.check([key])],
+                limit() if within is None else within,
+            )
+
+        counter = f"{self.prefix}{tag}/arrived"
+        arrived = self.request(f"barrier {tag!r}", arrive, limit())
         next_probe = start + (0.0 if suspects else 5.0)
         poll = threading.Event()  # never set: a timed wait between polls
         while arrived < self.world_size:
             now = time.monotonic()
             if gone is not None and now >= next_probe:
-                keys = self._keys(tag)
-                missing = [rank for rank, key in enumerate(keys) if not self.store.check([key])]
-                if not missing:
+                absent = missing()
+                if not absent:
                     return
-                if gone(missing):
-                    self._gone = set(missing)
+                if gone(absent):
+                    self._gone = set(absent)
                     logs.event(
                         "declared-dead",
                         self.where,
                         "rank %d: ranks %s no longer answer: declared dead at barrier %r",
                         self.rank,
-                        missing,
+                        absent,
                         tag,
                     )
                     return
                 next_probe = now + (0.5 if suspects else 5.0)
             if now >= deadline:
-                keys = self._keys(tag)
-                missing = [rank for rank, key in enumerate(keys) if not self.store.check([key])]
+                # Past the deadline: one short last look, to name who is missing.
                 raise RpcError(
                     f"barrier {tag!r} at {self.where} timed out after {timeout:g} s: "
-                    f"rank(s) {missing} of world_size {self.world_size} never arrived"
+                    f"rank(s) {missing(DEADLINE_LOOK)} of world_size {self.world_size} "
+                    "never arrived"
                 )
             poll.wait(0.05 if now - start < 1.0 else 0.2)
-            arrived = self.store.add(counter, 0)
+            if time.monotonic() >= deadline:
+                continue  # the check above names who is missing
+            arrived = self.request(
+                f"barrier {tag!r}", lambda: store.add(counter, 0), max(limit(), DEADLINE_LOOK)
+            )
 
     def close(self, timeout: float = 10.0) -> None:
-        """Leave; the host keeps the store until every rank has left it."""
-        try:
-            self.store.set(f"{self.prefix}left/{self.rank}", "1")
-            if self.hosting and self.world_size is not None:
-                keys = [
-                    key for rank, key in enumerate(self._keys("left")) if rank not in self._gone
-                ]
-                self.store.wait(keys, timedelta(seconds=timeout))
-        except Exception:
-            pass  # a peer that died cannot leave; the store goes anyway
+        """Leave; the host keeps the store until every rank has left it. Takes
+        about ``timeout`` seconds (a client whose store does not answer gives
+        up after at most ``REQUEST_LIMIT``, at least 1 s; that is logged)."""
+        store = self.store
         del self.store
+        if self.world_size is None:
+            return  # a dynamic member left through rrpc.membership
+        keys = [key for rank, key in enumerate(self._keys("left")) if rank not in self._gone]
+
+        def leave() -> None:
+            store.set(f"{self.prefix}left/{self.rank}", "1")
+            if self.hosting:
+                try:
+                    store.wait(keys, timedelta(seconds=max(0.001, timeout)))
+                except Exception:
+                    pass  # a peer that died cannot leave; the store goes anyway
+
+        limit = timeout + 1.0 if self.hosting else min(REQUEST_LIMIT, max(1.0, timeout))
+        try:
+            self.request("leaving", leave, limit)
+        except StoreUnreachableError:
+            pass  # logged; the barrier passed, so nobody waits for this rank's word

@@ -60,7 +60,7 @@ import torch
 
 from rrpc import agent as agent_module
 from rrpc import autograd as dist_autograd
-from rrpc import codec, functions, logs
+from rrpc import codec, functions, logs, profiling
 from rrpc.agent import Agent, Deferred
 from rrpc.functions import (
     async_execution,
@@ -84,6 +84,7 @@ from rrpc.messages import (
     kind_name,
 )
 from rrpc.options import UNSET_RPC_TIMEOUT
+from rrpc.profiling import profiler_enabled
 from rrpc.rref_protocol import (
     UNCONFIRMED,
     ForkId,
@@ -119,13 +120,16 @@ class _Context:
         # Forks received from a non-owner, until the owner answers their FORK:
         # a message that brought one runs only then (as in torch).
         self.confirmations: dict[ForkId, torch.futures.Future] = {}
-        self._ids = itertools.count(0)  # local ids from 0, as torch's
+        # Local ids from 0, as torch's; a rank that rejoined a dynamic group starts
+        # past its earlier incarnations' ids, which peers may still hold.
+        self._ids = itertools.count(agent.incarnation << 32)
         # DELETEs held back (see the rules): owner rank -> forks, and when the
         # oldest of them was dropped. Only the sender thread touches these.
         self.delete_delay = agent.options.rref_delete_delay
         self._held_deletes: dict[int, list[tuple[RRefId, ForkId]]] = {}
         self._held_since = 0.0
         self.events: queue.SimpleQueue = queue.SimpleQueue()
+        self.released: set[ForkId] = set()  # forks let go of by release_user_forks
         self.running = True
         self._sender = threading.Thread(
             target=self._run_sender, name=f"rrpc-rref-{agent.info.name}", daemon=True
@@ -160,6 +164,9 @@ class _Context:
             try:
                 if what == _DROP:
                     with self.lock:
+                        if item in self.released:  # let go of at leave already
+                            self.released.discard(item)
+                            continue
                         sends = self.users.dropped(item)
                     self._send_all(sends)
                 elif what == _SEND:
@@ -307,6 +314,18 @@ class _Context:
         pending.update({f"{kind_name(k)} in flight": n for k, n in self.in_flight.items()})
         return {name: n for name, n in pending.items() if n}
 
+    def release_user_forks(self) -> None:
+        """Leaving a dynamic group while others stay: let go of every user RRef
+        still held here, as if the application had dropped it, so that the
+        owners may free the values (``drain`` then waits for the DELETEs)."""
+        with self.lock:
+            sends = []
+            for fork in list(self.users.forks.values()):
+                if fork.alive:
+                    self.released.add(fork.fork_id)
+                    sends += self.users.dropped(fork.fork_id)
+        self.post(sends)
+
     def drain(self, timeout: float) -> None:
         """Wait until every confirmation, child and protocol message is answered."""
         gc.collect()  # RRefs in reference cycles: drop them now, not after shutdown
@@ -445,6 +464,16 @@ def _complete(target: torch.futures.Future, source: torch.futures.Future) -> Non
     target.set_result(value if error is None else _Failed(error))
 
 
+def _complete_created(
+    target: torch.futures.Future, timed_out: BaseException, source: torch.futures.Future
+) -> None:
+    """``_complete`` for remote() to this worker: a timeout is the creation's."""
+    value, error = _outcome(source)
+    if isinstance(error, RpcTimeoutError):
+        error = timed_out
+    target.set_result(value if error is None else _Failed(error))
+
+
 def _forward(reply: torch.futures.Future, value: torch.futures.Future) -> None:
     reply.set_result(value.wait())  # a value future never holds an exception
 
@@ -518,6 +547,7 @@ class RRef(Generic[T]):
         "_confirmed_at",
         "_deadline",
         "_type",
+        "_type_future",
     )
 
     _ctx: _Context | None
@@ -529,6 +559,7 @@ class RRef(Generic[T]):
     _confirmed_at: list[float]  # remote(): [when that answer came] (inf until then)
     _deadline: float  # remote()'s timeout for that answer
     _type: type | None
+    _type_future: torch.futures.Future | None  # what _get_type(blocking=False) returns
 
     def __init__(self, value: T, type_hint: type | None = None) -> None:
         """Wrap ``value`` in an RRef owned by this worker (needs ``init_rpc``)."""
@@ -551,6 +582,7 @@ class RRef(Generic[T]):
         self._confirmed_at = [math.inf]
         self._deadline = math.inf
         self._type = None
+        self._type_future = None
 
     @classmethod
     def _make(cls, ctx, rref_id, fork_id, owner, future) -> RRef:
@@ -710,23 +742,32 @@ class RRef(Generic[T]):
 
     def _get_type(self, timeout: float = UNSET_RPC_TIMEOUT, blocking: bool = True) -> Any:
         """The type of the value (asked of the owner once, then cached); with
-        ``blocking=False``, a Future of it."""
-        if self._type is None and self._fork is not None and not blocking:
-            # As torch: the owner's answer (or error, or timeout) comes in the Future.
-            future = Future()
-            call = _call_on_owner(self, _type_of, (), timeout)
+        ``blocking=False``, a Future of it, the same one every time (as torch)."""
+        if not blocking and self._type_future is not None:
+            return self._type_future
+        if self._type is None and self._fork is not None:
+            # As torch: an rpc_async to the owner (an RPC event when profiled).
+            call = _call_on_owner(self, _rref_typeof_on_owner, (), timeout)
+            if blocking:
+                self._type = call.wait()
+                return self._type
+            # The owner's answer (or error, or timeout) comes in the Future.
+            future = self._type_future = Future()
             on_done(call, functools.partial(_cache_type, self, future))
             return future
         if self._type is None:
-            if self._fork is None:
-                self._type = type(self.local_value())
-            else:
-                reply = _call_on_owner(self, _type_of, (), timeout, sync=True)
-                self._type = _sync_result(reply)
+            self._type = type(self.local_value())
         if blocking:
             return self._type
-        future = Future()
+        future = self._type_future = Future()
         future.set_result(self._type)
+        return future
+
+    def _get_profiling_future(self) -> torch.futures.Future:
+        """Done once ``remote()``'s profiler event is recorded (as torch's): the
+        owner's answer to it, or on the owner the value's future."""
+        future = self._creation if self._creation is not None else self._future
+        assert future is not None
         return future
 
     # -- Proxies -----------------------------------------------------------------
@@ -922,7 +963,12 @@ def _call_on_owner(
     what = f"{method or callable_name(func)}() on the value of {rref!r}"
     target = rref if rref._fork is None else rref._id
     payload: tuple = (func, (target, *args), {})
-    reply = agent.send(rref._owner, CALL, payload, agent.resolve_timeout(timeout), what, sync)
+    timeout = agent.resolve_timeout(timeout)
+    if profiler_enabled():  # an RPC event, as torch's RRef helpers' calls are
+        mode = "sync" if sync else "async"
+        reply = profiling.send(agent, rref._owner, CALL, payload, timeout, what, mode, func)
+    else:
+        reply = agent.send(rref._owner, CALL, payload, timeout, what, sync)
     if not sync:
         on_done(reply, functools.partial(_hold_until_done, rref))
     return reply
@@ -970,7 +1016,7 @@ def _backward_on_owner(target: RRef | RRefId, context_id: int, retain_graph: boo
         dist_autograd.backward(context_id, [value], retain_graph=retain_graph)
 
 
-def _type_of(target: RRef | RRefId) -> type:
+def _rref_typeof_on_owner(target: RRef | RRefId) -> type:  # torch's name, in profiles
     return type(_owner_rref(target).local_value())
 
 
@@ -1010,13 +1056,22 @@ def remote(
     timeout = agent.resolve_timeout(timeout)
     payload_args, payload_kwargs = tuple(args or ()), dict(kwargs or {})
     what = f"remote() of {callable_name(func)}"
+    profiled = profiler_enabled()  # the one check profiling costs (rrpc/profiling.py)
     if peer.id == ctx.rank:
         # Run it through the agent like any call (arguments are copied, the
         # function runs on the worker pool); the result goes into the owner RRef.
         value: torch.futures.Future = torch.futures.Future()
-        call = agent.send(peer, CALL, (func, payload_args, payload_kwargs), timeout, what)
-        on_done(call, functools.partial(_complete, value))
-        return RRef._make(ctx, ctx.new_id(), None, peer, value)
+        request: tuple = (func, payload_args, payload_kwargs)
+        if profiled:
+            call = profiling.send(agent, peer, CALL, request, timeout, what, "remote", func)
+        else:
+            call = agent.send(peer, CALL, request, timeout, what)
+        rref = RRef._make(ctx, ctx.new_id(), None, peer, value)
+        # As torch: the call's outcome is _get_future()'s, and a call that ran
+        # past remote()'s timeout is an RRef creation that timed out.
+        rref._creation = call
+        on_done(call, functools.partial(_complete_created, value, rref._creation_timeout()))
+        return rref
     rref_id, fork_id = ctx.new_id(), ctx.new_id()
     with ctx.lock:
         ctx.users.created(rref_id, fork_id, peer.id)
@@ -1024,9 +1079,11 @@ def remote(
         # No timeout on the message itself: its answer says whether the owner
         # counted the fork, which the protocol must know. remote()'s timeout
         # applies to the RRef's uses instead (_check_created).
-        creation = agent.send(
-            peer, RREF_CREATE, (rref_id, fork_id, func, payload_args, payload_kwargs), 0, what
-        )
+        request = (rref_id, fork_id, func, payload_args, payload_kwargs)
+        if profiled:
+            creation = profiling.send(agent, peer, RREF_CREATE, request, 0, what, "remote", func)
+        else:
+            creation = agent.send(peer, RREF_CREATE, request, 0, what)
     except BaseException:
         with ctx.lock:
             ctx.users.forget(fork_id)

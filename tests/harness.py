@@ -524,6 +524,30 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
+def outcome(call, *args, **kwargs):
+    """What a call did, as plain data a worker can report: its value or its
+    error (type, message, remote traceback, notes), and how long it took."""
+    start = time.monotonic()
+    try:
+        value = call(*args, **kwargs)
+        return {"value": value, "elapsed": time.monotonic() - start, "finished at": time.time()}
+    except BaseException as exc:
+        return {
+            "type": type(exc).__name__,
+            "types": [c.__name__ for c in type(exc).__mro__],
+            "message": str(exc),
+            "remote_traceback": getattr(exc, "remote_traceback", None),
+            "notes": list(getattr(exc, "__notes__", [])),
+            "attributes": {
+                key: getattr(exc, key)
+                for key in ("type_name", "remote_message")
+                if hasattr(exc, key)
+            },
+            "elapsed": time.monotonic() - start,
+            "finished at": time.time(),
+        }
+
+
 # -- A world kept up across tests -----------------------------------------------
 def _serve_scenarios(rank, world_size, commands, results, finished):
     """Rank 0 runs each (fn, args) it is sent and sends back what it returned;

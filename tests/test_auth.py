@@ -2,10 +2,11 @@
 name in the rendezvous store with its own address.
 
 The impostor needs nothing but TCP access to the store (MASTER_ADDR:MASTER_PORT):
-it overwrites the entry of the real worker1 (a dynamic member) with the address
-of a raw gRPC server of its own, which records every byte and every metadata
-entry it receives and answers with pickles that would create a marker file.
-worker0, which has not looked worker1 up yet, then calls "worker1".
+it appends to the group's log a "joined" record of worker1 (a dynamic member)
+with the address of a raw gRPC server of its own, which records every byte and
+every metadata entry it receives and answers with pickles that would create a
+marker file. worker0 reads the group (as any member may, at any time) and then
+calls "worker1".
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from rrpc.messages import HANDSHAKE, REPLY
 
 TOKEN = "the-cluster-token"
 METHOD = "/rrpc.Worker/Exchange"
-PREFIX = "rrpc/0/0/"  # rendezvous keys of the first init_rpc (rendezvous.Rendezvous.prefix)
+PREFIX = "rrpc/group/default/"  # the dynamic group's keys (rrpc/membership.py)
 # What the impostor does on each stream that opens with an auth nonce, in order.
 MODES = ("no handshake", "forged handshake", "relay to the real worker1", "silent")
 
@@ -140,15 +141,17 @@ class _Impostor:
                 record["upstream"] = exc.code().name
 
     def register_as_worker1(self, port):
-        """Overwrite worker1's entry in the rendezvous store with this server's address."""
+        """Append a "joined" record of worker1 at this server's address to the group's log."""
         store = dist.TCPStore(
             "127.0.0.1", port, None, is_master=False, timeout=timedelta(seconds=30)
         )
-        key = f"{PREFIX}worker/1"
-        assert store.check([key]), f"no {key} in the store"
-        name, self.real_address, _advertised = json.loads(store.get(key))
-        assert name == "worker1"
-        store.set(key, json.dumps(["worker1", self.address, {}]))
+        count = store.add(f"{PREFIX}events", 0)
+        records = [json.loads(store.get(f"{PREFIX}event/{i}")) for i in range(1, count + 1)]
+        [real] = [r for r in records if r["name"] == "worker1" and r["kind"] == "joined"]
+        self.real_address = real["address"]
+        forged = {**real, "incarnation": real["incarnation"] + 1, "address": self.address}
+        forged["advertised"] = {}
+        store.set(f"{PREFIX}event/{store.add(f'{PREFIX}events', 1)}", json.dumps(forged))
         del store
 
     def stop(self):
@@ -186,6 +189,7 @@ def _world(rank, world_size, events, marker_dir, rogue_tls):
     if rank == 0:
         worker0_in.set()
         assert impostor_ready.wait(90)
+        rrpc.get_worker_infos()  # reads the group's log, the forged record with it
         calls = 1 if rogue_tls is not None else len(MODES)
         seen = []
         for _ in range(calls):

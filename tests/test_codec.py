@@ -321,6 +321,64 @@ def test_reader_counts_shared_memory_buffers_against_max_message_size():
     assert attached == []  # rejected before mapping anything
 
 
+def test_a_message_of_more_tensors_than_a_frame_may_carry_is_refused_by_its_sender():
+    tensors = torch.zeros(codec.MAX_BUFFERS + 1).split(1)  # distinct tensors, one buffer each
+    with pytest.raises(MessageTooLargeError) as error:
+        codec.encode(CALL, 1, (len, (tensors,), {}), peer="worker1")
+    assert f"{codec.MAX_BUFFERS + 1} tensor buffers" in str(error.value)
+    assert f"more than the {codec.MAX_BUFFERS}" in str(error.value)
+    assert "worker1" in str(error.value)
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["in one packet", "cut across packets"])
+def test_reader_refuses_a_frame_of_more_buffers_than_the_limit_naming_both_numbers(whole):
+    count = codec.MAX_BUFFERS + 1
+    envelope = Envelope(kind=CALL, request_id=1, payload_size=0, buffer_sizes=[0] * count)
+    frame = _raw_frame(envelope, b"")
+    reader = FrameReader()
+    with pytest.raises(ProtocolError) as error:
+        if whole:
+            reader.feed(frame)
+        else:
+            reader.feed(frame[:3])
+            reader.feed(frame[3:])
+    assert f"{count} tensor buffers exceeds the limit of {codec.MAX_BUFFERS}" in str(error.value)
+
+
+def _virtual_size() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmSize in /proc/self/status")
+
+
+def test_memory_is_taken_as_a_buffers_bytes_arrive_not_as_it_is_declared():
+    declared = 16 << 30
+    envelope = Envelope(kind=CALL, request_id=1, payload_size=0, buffer_sizes=[declared])
+    reader = FrameReader()
+    before = _virtual_size()
+    assert reader.feed(_raw_frame(envelope, b"") + b"\x01" * 8192) == []
+    assert _virtual_size() - before < 64 << 20  # not 16 GiB
+    reader.close()  # the stream ended
+    assert _virtual_size() - before < 1 << 20
+
+
+def test_a_buffer_larger_than_grow_from_arrives_whole_and_writable_whatever_the_cut():
+    big = torch.arange((codec.GROW_FROM + (5 << 20)) // 8, dtype=torch.int64)
+    small = torch.randn(3)
+    data = b"".join(bytes(p) for p in codec.encode(CALL, 1, (big, small)).pieces)
+    for cut in (1 << 20, 7_777_777, len(data)):
+        reader = FrameReader()
+        frames = []
+        for start in range(0, len(data), cut):
+            frames += reader.feed(data[start : start + cut])
+        (frame,) = frames
+        got_big, got_small = codec.loads(frame)
+        assert torch.equal(got_big, big) and torch.equal(got_small, small)
+        got_big.add_(1)  # built over the received memory, which is writable
+
+
 def test_reader_rejects_an_absurd_envelope_size():
     reader = FrameReader()
     with pytest.raises(ProtocolError) as error:

@@ -25,6 +25,7 @@ import torch
 
 import rrpc
 from harness import WorkerGroup, free_port, mp_context, run_workers
+from harness import outcome as _outcome
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -87,29 +88,6 @@ class _RefusesToLoad:
 
 def _refuse(message):
     raise RuntimeError(message)
-
-
-def _outcome(call, *args, **kwargs):
-    """What a call did: its value or its error, and how long it took."""
-    start = time.monotonic()
-    try:
-        value = call(*args, **kwargs)
-        return {"value": value, "elapsed": time.monotonic() - start, "finished at": time.time()}
-    except BaseException as exc:
-        return {
-            "type": type(exc).__name__,
-            "types": [c.__name__ for c in type(exc).__mro__],
-            "message": str(exc),
-            "remote_traceback": getattr(exc, "remote_traceback", None),
-            "notes": list(getattr(exc, "__notes__", [])),
-            "attributes": {
-                key: getattr(exc, key)
-                for key in ("type_name", "remote_message")
-                if hasattr(exc, key)
-            },
-            "elapsed": time.monotonic() - start,
-            "finished at": time.time(),
-        }
 
 
 # -- Timeouts, remote exceptions, unpicklable values (one world) -----------------

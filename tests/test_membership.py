@@ -1,58 +1,409 @@
-"""Dynamic membership: workers that join after the others started (world_size=None)."""
+"""Dynamic membership (no world_size): workers that join late, leave, and come back.
 
+Most tests run the group on a store that no worker hosts: a plain
+``torch.distributed.TCPStore`` server in a process of its own (harness rank 0,
+``_store``), as torchrun's c10d endpoint or a standalone server would be. Then
+no member is special: rrpc rank 0 may leave first.
+"""
+
+import logging
 import os
+import queue
+import signal
+import threading
+import time
 
+import pytest
 import torch
+import torch.distributed as dist
 
 import rrpc
+import rrpc.optim
 from harness import WorkerGroup, mp_context
 
 
-def _join_late(rank, world_size, worker1_in, worker2_may_join, worker2_in, finished):
+def _dynamic():
     del os.environ["WORLD_SIZE"]  # the harness sets it; without it membership is dynamic
-    if rank == 2:
-        assert worker2_may_join.wait(90)
-    rrpc.init_rpc(f"worker{rank}", rank=rank)  # no world_size: dynamic membership
-    result = None
+
+
+def _store(rank, world_size, up, released, workers):
+    """Harness rank 0: the group's store, hosted by no worker; it stays up until
+    ``released`` (a semaphore) has been released once per worker. (Not Events: a
+    test may kill this process, and setting an Event it waited on can hang.)"""
+    store = dist.TCPStore(
+        "127.0.0.1", int(os.environ["MASTER_PORT"]), is_master=True, wait_for_workers=False
+    )
+    up.set()
+    assert all(released.acquire(timeout=100) for _ in range(workers))
+    del store
+
+
+def _events():
+    """Membership events seen by this worker, as (kind, name, incarnation, seen at)."""
+    seen = queue.SimpleQueue()
+    rrpc.on_membership_change(
+        lambda e: seen.put((e.kind, e.worker.name, e.incarnation, time.time()))
+    )
+    return seen
+
+
+def _next_event(seen, kind, name):
+    while True:
+        event = seen.get(timeout=60)
+        if event[:2] == (kind, name):
+            return event
+
+
+# -- A worker leaves; the others go on ----------------------------------------------
+
+_gate = threading.Event()  # worker0: opens its slow call
+_slow_started = None
+
+
+def _slow_call():
+    _slow_started.set()
+    assert _gate.wait(60)
+    return "drained"
+
+
+def _leave_while_others_work(
+    rank, world_size, up, joined, slow_started, left_seen, done, group_read, finished
+):
+    global _slow_started
+    _dynamic()
     if rank == 0:
-        assert worker1_in.wait(90)
-        worker2_may_join.set()
-        assert worker2_in.wait(90)
-        # worker0 started before worker2 existed and finds it by name now.
-        result = rrpc.rpc_sync("worker2", torch.add, args=(torch.ones(2), 2)).tolist()
-        finished.set()
-    elif rank == 1:
-        worker1_in.set()
-        assert worker2_in.wait(90)
-        result = rrpc.get_worker_info("worker2").id
-        assert finished.wait(90)
-    else:
-        # The late joiner sees everyone who joined before it.
-        result = rrpc.rpc_sync("worker1", torch.mul, args=(torch.ones(2), 3)).tolist()
-        worker2_in.set()
-        assert finished.wait(90)
+        return _store(rank, world_size, up, finished, 2)
+    assert up.wait(60)
+    me = rank - 1  # rrpc ranks 0, 1, 2; worker0 (rank 0) leaves first
+    _slow_started = slow_started
+    seen = _events()
+    rrpc.init_rpc(f"worker{me}", rank=me)
+    joined[me].set()
+    assert all(event.wait(60) for event in joined)
+    if me == 0:
+        assert slow_started.wait(60)  # worker1's call is running here
+        threading.Thread(target=lambda: left_seen.wait(60) and _gate.set()).start()
+        started = time.time()
+        rrpc.shutdown()  # waits for worker1's call, which waits until worker1 saw the leave
+        return {"shutdown_started": started, "shutdown_seconds": time.time() - started}
+    result = {}
+    if me == 1:
+        in_flight = rrpc.rpc_async("worker0", _slow_call)
+        kind, name, _, seen_at = _next_event(seen, "left", "worker0")
+        left_seen.set()
+        result["left_seen_at"] = seen_at
+        start = time.monotonic()
+        with pytest.raises(rrpc.PeerUnavailableError) as error:
+            rrpc.rpc_sync("worker0", torch.add, args=(1, 1))
+        result["fail_seconds"] = time.monotonic() - start
+        result["error"] = str(error.value)
+        result["in_flight"] = in_flight.wait()  # the leaver answered it before it left
+        result["group"] = [w.name for w in rrpc.get_worker_infos()]
+        done.set()
+        assert group_read.wait(60)  # worker2 reads the group before this one leaves it
+    else:  # worker2: calls worker1 all along, and sees worker0 go too
+        calls = 0
+        while not done.is_set():
+            assert rrpc.rpc_sync("worker1", torch.add, args=(calls, 1)) == calls + 1
+            calls += 1
+        result["calls"] = calls
+        result["event"] = _next_event(seen, "left", "worker0")[:2]
+        result["group"] = [w.name for w in rrpc.get_worker_infos()]
+        group_read.set()
     rrpc.shutdown()
+    finished.release()
     return result
 
 
-def test_worker_joining_after_start_is_reachable_by_everyone_and_reaches_everyone():
-    events = [mp_context.Event() for _ in range(4)]
-    with WorkerGroup(_join_late, 3, args=events, init=False) as group:
-        assert group.wait(110) == [[3.0, 3.0], 2, [3.0, 3.0]]
+@pytest.mark.timeout(120)
+def test_rank0_leaves_after_draining_while_the_others_keep_calling_each_other():
+    events = [mp_context.Event() for _ in range(5)]
+    up, slow_started, left_seen, done, group_read = events
+    joined = [mp_context.Event() for _ in range(3)]
+    args = (up, joined, slow_started, left_seen, done, group_read, mp_context.Semaphore(0))
+    with WorkerGroup(_leave_while_others_work, 4, args=args, init=False) as group:
+        store, worker0, worker1, worker2 = group.wait(110)
+    assert store is None
+    assert worker1["in_flight"] == "drained"
+    assert isinstance(worker1["error"], str) and "worker0" in worker1["error"]
+    assert "left the group" in worker1["error"]
+    assert worker1["fail_seconds"] < 1.0
+    assert worker1["group"] == ["worker1", "worker2"]
+    assert worker2["group"] == ["worker1", "worker2"]
+    assert worker2["event"] == ("left", "worker0")
+    assert worker2["calls"] > 0
+    seen_after = worker1["left_seen_at"] - worker0["shutdown_started"]
+    print(
+        f"\nleave seen by worker1 {seen_after * 1000:.0f} ms after worker0 called shutdown; "
+        f"a call to it then failed in {worker1['fail_seconds'] * 1000:.1f} ms; "
+        f"worker0's shutdown took {worker0['shutdown_seconds']:.2f} s; "
+        f"worker2 made {worker2['calls']} calls to worker1 meanwhile"
+    )
+    assert seen_after < 5.0
 
 
-def _unknown_in_dynamic_world(rank, world_size):
-    del os.environ["WORLD_SIZE"]
-    rrpc.init_rpc(f"worker{rank}", rank=rank)
-    try:
-        rrpc.rpc_sync("nobody", torch.add, args=(1, 1))
-    except RuntimeError as error:
-        message = str(error)
+# -- A worker dies and comes back under its name ------------------------------------
+
+
+def _pid():
+    return os.getpid()
+
+
+def _rejoin(rank, world_size, up, first_in, called, killed, done, finished):
+    _dynamic()
+    if rank == 0:
+        return _store(rank, world_size, up, finished, 2)
+    assert up.wait(60)
+    if rank == 1:  # worker0: stays throughout
+        seen = _events()
+        rrpc.init_rpc("worker0", rank=0)
+        assert first_in.wait(60)
+        first_pid = rrpc.rpc_sync("worker1", _pid)
+        called.set()  # the test may kill worker1 now
+        assert killed.wait(60)
+        start = time.monotonic()
+        with pytest.raises(rrpc.PeerUnavailableError):
+            rrpc.rpc_sync("worker1", _pid)
+        dead_seconds = time.monotonic() - start
+        event = _next_event(seen, "joined", "worker1")
+        if event[2] == 0:  # the first incarnation's join: wait for the second
+            event = _next_event(seen, "joined", "worker1")
+        second_pid = rrpc.rpc_sync("worker1", _pid)
+        group = [(w.name, w.id) for w in rrpc.get_worker_infos()]
+        done.set()
+        rrpc.shutdown()
+        finished.release()
+        return {
+            "first_pid": first_pid,
+            "second_pid": second_pid,
+            "incarnation": event[2],
+            "dead_seconds": dead_seconds,
+            "group": group,
+        }
+    if rank == 2:  # worker1, first incarnation: killed by the test
+        rrpc.init_rpc("worker1", rank=1)
+        first_in.set()
+        # Until killed. (Not on a shared Event: setting one a killed process waited on can hang.)
+        threading.Event().wait(100)
+        return None
+    assert killed.wait(60)  # worker1 again, a new process
+    started = time.monotonic()
+    rrpc.init_rpc("worker1", rank=1)
+    join_seconds = time.monotonic() - started
+    value = rrpc.remote("worker0", torch.add, args=(torch.ones(2), 3)).to_here()
+    assert done.wait(60)
     rrpc.shutdown()
+    finished.release()
+    return {"value": value.tolist(), "pid": os.getpid(), "join_seconds": join_seconds}
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_worker_rejoins_under_its_name_and_peers_reach_its_new_process():
+    up, first_in, called, killed, done = (mp_context.Event() for _ in range(5))
+    args = (up, first_in, called, killed, done, mp_context.Semaphore(0))
+    with WorkerGroup(_rejoin, 4, args=args, init=False) as group:
+        assert called.wait(90)
+        group.kill(2)
+        killed.set()
+        store, worker0, _, again = group.wait(100, may_die=[2])
+    assert worker0["first_pid"] == group.processes[2].pid
+    assert worker0["second_pid"] == again["pid"] == group.processes[3].pid
+    assert worker0["incarnation"] == 1
+    assert worker0["dead_seconds"] < 2.0
+    assert worker0["group"] == [("worker0", 0), ("worker1", 1)]
+    assert again["value"] == [4.0, 4.0]
+    print(f"\nrejoin: init_rpc of the new worker1 took {again['join_seconds']:.2f} s")
+
+
+def _same_name_twice(rank, world_size, up, first_in, done, finished):
+    _dynamic()
+    if rank == 0:
+        return _store(rank, world_size, up, finished, 1)
+    assert up.wait(60)
+    if rank == 1:
+        rrpc.init_rpc("worker0", rank=0)
+        first_in.set()
+        assert done.wait(60)
+        rrpc.shutdown()
+        finished.release()
+        return None
+    assert first_in.wait(60)
+    try:
+        rrpc.init_rpc("worker0", rank=5)
+        message = None
+    except rrpc.RpcError as error:
+        message = str(error)
+    done.set()
     return message
 
 
-def test_a_name_nobody_joined_with_is_a_clear_error_in_a_dynamic_world():
-    with WorkerGroup(_unknown_in_dynamic_world, 1, init=False) as group:
-        [message] = group.wait(110)
-    assert "could not find destination worker 'nobody'" in message
+@pytest.mark.timeout(90)
+def test_a_name_held_by_a_running_worker_cannot_be_taken():
+    up, first_in, done = (mp_context.Event() for _ in range(3))
+    args = (up, first_in, done, mp_context.Semaphore(0))
+    with WorkerGroup(_same_name_twice, 3, args=args, init=False) as group:
+        *_, message = group.wait(80)
+    assert message is not None and "worker name 'worker0' is not unique" in message
+    assert "still runs at 127.0.0.1:" in message
+
+
+# -- RRefs, distributed autograd and the optimizer with late joiners ------------------
+
+
+class _Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = torch.nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.linear(x)
+
+
+_model = None
+
+
+def _parameter_rrefs():
+    global _model
+    _model = _Model()
+    return [rrpc.RRef(p) for p in _model.parameters()]
+
+
+def _forward(x):
+    return _model(x)
+
+
+def _parameters():
+    return [p.detach().clone() for p in _model.parameters()]
+
+
+def _to_here(rref):
+    return rref.to_here()
+
+
+def _late_joiners(
+    rank, world_size, worker1_in, worker1_done, worker1_left, worker2_in, worker2_left
+):
+    _dynamic()  # worker0 hosts the store here: it joins first and leaves last
+    if rank == 2:
+        assert worker1_done.wait(90)
+    elif rank == 1:
+        assert worker1_in.wait(90)
+    rrpc.init_rpc(f"worker{rank}", rank=rank)
+    if rank == 0:
+        seen = _events()
+        before = rrpc.rref_debug_info()["num_owner_rrefs"]
+        worker1_in.set()
+        _next_event(seen, "joined", "worker1")
+        # An early member makes a value on the late joiner, then hands it to a later one.
+        on_worker1 = rrpc.remote("worker1", torch.mul, args=(torch.ones(2), 5))
+        assert worker1_done.wait(90)
+        _next_event(seen, "joined", "worker2")
+        from_worker2 = rrpc.rpc_sync("worker2", _to_here, args=(on_worker1,)).tolist()
+        del on_worker1
+        worker2_in.set()
+        _next_event(seen, "left", "worker1")
+        worker1_left.set()
+        after = rrpc.rref_debug_info()
+        assert worker2_left.wait(90)
+        rrpc.shutdown()
+        return {"from_worker2": from_worker2, "owner_before": before, "after": after}
+    if rank == 1:
+        params = rrpc.rpc_sync("worker0", _parameter_rrefs)
+        optimizer = rrpc.optim.DistributedOptimizer(torch.optim.SGD, params, lr=0.5)
+        x = torch.arange(6.0).reshape(2, 3)
+        with rrpc.autograd.context() as context_id:
+            loss = rrpc.rpc_sync("worker0", _forward, args=(x,)).pow(2).sum()
+            rrpc.autograd.backward(context_id, [loss])
+            optimizer.step(context_id)
+        # The same step in one process.
+        local = _Model()
+        torch.optim.SGD(local.parameters(), lr=0.5).zero_grad()
+        local(x).pow(2).sum().backward()
+        with torch.no_grad():
+            expected = [(p - 0.5 * p.grad).tolist() for p in local.parameters()]
+        got = [p.tolist() for p in rrpc.rpc_sync("worker0", _parameters)]
+        worker1_done.set()
+        assert worker2_in.wait(90)
+        # Leaves holding RRefs to worker0's values (params, optimizer): it lets go of them.
+        rrpc.shutdown()
+        return {"expected": expected, "got": got}
+    assert worker1_left.wait(90)
+    rrpc.shutdown()
+    worker2_left.set()
+    return None
+
+
+@pytest.mark.timeout(120)
+def test_rrefs_autograd_and_optimizer_work_with_late_joiners_and_a_leaver_lets_go_of_its_rrefs():
+    events = [mp_context.Event() for _ in range(5)]
+    with WorkerGroup(_late_joiners, 3, args=events, init=False) as group:
+        worker0, worker1, _ = group.wait(110)
+    assert worker1["got"] == worker1["expected"]
+    assert worker0["from_worker2"] == [5.0, 5.0]
+    # Everything the leaver held of worker0's (parameters, its optimizer) is freed.
+    assert worker0["after"]["num_owner_rrefs"] == worker0["owner_before"] == 0
+    assert worker0["after"]["num_owner_forks"] == 0
+
+
+# -- A worker that cannot reach the store ----------------------------------------------
+
+
+def _store_lost(rank, world_size, up, joined, store_gone, finished, done, timeout):
+    _dynamic()
+    if rank == 0:
+        return _store(rank, world_size, up, done, 2)
+    assert up.wait(60)
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("rrpc").addHandler(handler)
+    rrpc.init_rpc(f"worker{rank}", rank=rank)
+    joined[rank - 1].set()
+    assert store_gone.wait(60)
+    assert rrpc.rpc_sync(f"worker{2 - rank + 1}", torch.add, args=(1, 1)) == 2  # peers still fine
+    start = time.monotonic()
+    try:
+        rrpc.shutdown(timeout=timeout)
+        error = None
+    except rrpc.RpcError as exc:
+        error = str(exc)
+    seconds = time.monotonic() - start
+    finished[rank - 1].set()
+    return {"seconds": seconds, "error": error, "lines": lines}
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("how", ["frozen", "killed"])
+def test_shutdown_within_its_timeout_when_the_store_is_unreachable(how):
+    up, store_gone = mp_context.Event(), mp_context.Event()
+    done = mp_context.Semaphore(0)
+    joined = [mp_context.Event() for _ in range(2)]
+    finished = [mp_context.Event() for _ in range(2)]
+    timeout = 3.0
+    args = (up, joined, store_gone, finished, done, timeout)
+    with WorkerGroup(_store_lost, 3, args=args, init=False) as group:
+        assert all(event.wait(60) for event in joined)
+        if how == "frozen":
+            group.send_signal(0, signal.SIGSTOP)  # accepts connections, never answers
+        else:
+            group.kill(0)
+        store_gone.set()
+        try:
+            assert all(event.wait(60) for event in finished)
+            # Let the workers exit first: a store request left blocked on the frozen
+            # store must not wake up while their interpreter is finalizing.
+            for worker in group.processes[1:]:
+                worker.join(30)
+        finally:
+            if how == "frozen":
+                group.send_signal(0, signal.SIGCONT)
+            done.release()
+            done.release()
+        _, *workers = group.wait(60)
+    for result in workers:
+        assert result["seconds"] < timeout + 2.0, result
+        assert "cannot reach the rendezvous store at 127.0.0.1:" in result["error"], result
+        assert any("cannot reach the rendezvous store" in line for line in result["lines"])
+    took = ", ".join(f"{result['seconds']:.2f} s" for result in workers)
+    print(f"\nshutdown(timeout={timeout:g}) with the store {how}: {took}")

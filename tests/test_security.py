@@ -26,6 +26,7 @@ import torch
 
 import rrpc
 from harness import mp_context, run_workers
+from harness import outcome as _outcome
 from rrpc import auth, codec
 from rrpc._proto.rrpc_pb2 import Envelope, SharedBuffer
 from rrpc.messages import CALL, HANDSHAKE
@@ -45,18 +46,6 @@ def _my_address():
 
 def _zeros(nbytes):
     return torch.zeros(nbytes, dtype=torch.uint8)
-
-
-def _outcome(call, *args, **kwargs):
-    start = time.monotonic()
-    try:
-        return {"value": call(*args, **kwargs), "elapsed": time.monotonic() - start}
-    except Exception as exc:
-        return {
-            "type": type(exc).__name__,
-            "message": str(exc),
-            "elapsed": time.monotonic() - start,
-        }
 
 
 class _CreatesFile:

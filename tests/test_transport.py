@@ -1,10 +1,15 @@
-"""The stream's sending side (``transport.Outbox``): batching, lingering, ending."""
+"""The transport without sockets: the sending side (``transport.Outbox``:
+batching, lingering, ending), the readers' turns, and the bound on a peer's
+requests in flight."""
 
+import threading
 import weakref
 
+import numpy as np
 import pytest
 
 from rrpc import codec, options, transport
+from rrpc._proto.rrpc_pb2 import Envelope
 
 
 def _frame(i: int) -> list[bytes]:
@@ -168,3 +173,89 @@ def test_a_packet_of_many_frames_is_handed_out_in_order_without_keeping_any():
     assert seen == list(range(20_000))
     assert outbox.received == 20_000
     assert held == []
+
+
+# -- Requests in flight per peer --------------------------------------------------
+def test_a_peer_at_its_bound_waits_until_one_of_its_requests_is_taken_up():
+    in_flight = transport._InFlight(limit=2)
+    assert in_flight.take(1, lambda: False) and in_flight.take(1, lambda: False)
+    taken = threading.Event()
+
+    def third():
+        in_flight.take(1, lambda: False)
+        taken.set()
+
+    waiter = threading.Thread(target=third)
+    waiter.start()
+    assert not taken.wait(0.2)  # at the bound: it waits
+    in_flight.give()  # a pool thread decoded one
+    assert taken.wait(5)
+    waiter.join(5)
+    assert in_flight.count == 2
+
+
+def test_a_reader_waiting_at_the_bound_gives_up_when_its_stream_ends():
+    in_flight = transport._InFlight(limit=1)
+    in_flight.take(1, lambda: False)
+    ended = threading.Event()
+    outcome = []
+    waiter = threading.Thread(target=lambda: outcome.append(in_flight.take(1, ended.is_set)))
+    waiter.start()
+    ended.set()
+    in_flight.wake()
+    waiter.join(5)
+    assert outcome == [False]
+    assert in_flight.count == 1
+
+
+def test_a_frame_is_consumed_once_when_decoded():
+    consumed: list[int] = []
+    (frame,) = codec.FrameReader().feed(_packet("a"))
+    frame.on_consumed = lambda: consumed.append(1)
+    assert codec.loads(frame) == "a"
+    assert consumed == [1]
+    del frame  # already counted
+    assert consumed == [1]
+
+
+def test_a_frame_dropped_undecoded_is_consumed_when_its_last_reference_goes():
+    consumed: list[int] = []
+    (frame,) = codec.FrameReader().feed(_packet("a"))
+    frame.on_consumed = lambda: consumed.append(1)
+    del frame
+    assert consumed == [1]
+
+
+def test_a_frame_heavier_than_the_bound_goes_through_alone():
+    in_flight = transport._InFlight(limit=4)
+    assert in_flight.take(10, lambda: False)  # nothing else in flight
+    assert in_flight.count == 10
+
+
+def test_a_frame_weighs_one_request_more_per_buffers_per_request_buffers():
+    def frame_with(buffers: int) -> codec.Frame:
+        return codec.Frame(Envelope(), b"", [np.empty(0, dtype=np.uint8)] * buffers)
+
+    per = transport.BUFFERS_PER_REQUEST
+    assert [transport._weight(frame_with(n)) for n in (0, per - 1, per, 3 * per)] == [1, 1, 2, 4]
+
+
+def test_requests_are_admitted_in_order_and_reading_stops_when_admission_fails():
+    admitted: list[str] = []
+    handed: list[str] = []
+
+    def admit(frame: codec.Frame) -> bool:
+        name = codec.loads(frame)
+        admitted.append(name)
+        return name != "c"  # the stream ended while "c" waited
+
+    readers = transport._TakeTurns(
+        iter([_packet("a", "b", "c", "d"), _packet("e")]),
+        codec.FrameReader(),
+        transport.Outbox(packet_size=1 << 20),
+        lambda frame, inline: handed.append(codec.loads(frame)),
+        admit,
+    )
+    readers.run()
+    assert admitted == ["a", "b", "c"]
+    assert handed == ["a", "b"]  # nothing after the refused one, not even the next packet

@@ -1,0 +1,456 @@
+"""Dynamic groups: workers that join late, leave, and come back (no world size).
+
+Rules:
+
+- The store holds the truth: an append-only log of membership events under
+  ``rrpc/group/<group>/`` (``<group>`` is ``$RRPC_GROUP``, default
+  ``default``). ``events`` counts them; ``event/<i>`` is the i-th, a JSON
+  record ``{kind: "joined" | "left", name, rank, incarnation, address,
+  advertised}``. Every member applies the log in order, so every member goes
+  through the same sequence of views.
+- Names and ranks are claimed by compare-and-set: ``name/<name>`` and
+  ``rank/<rank>`` hold the holder's record, or nothing when free. Two live
+  workers never hold one. A leaver frees its claims. A worker that died keeps
+  them until a newcomer under that name or rank finds the holder's address
+  dead (connection refused, or no answer within ``PROBE_TIMEOUT``) and takes
+  them over: that is a rejoin.
+- Every join of a rank is counted (``incarnation/<rank>``). The ids a worker
+  mints (RRef ids, autograd context ids) start past those of its rank's
+  earlier incarnations, so a rank that comes back never reuses an id a peer
+  may still hold.
+- Push, then pull. Whoever appends an event tells every member it knows with
+  a notice (a call of ``_notice``) carrying the event and its index; the
+  member applies the log up to that index before it answers. A member that
+  missed a notice (one that raced a join) catches up from the log whenever it
+  looks: ``get_worker_infos()``, a name or rank it does not know.
+- A leaver's notice is answered once the member has marked it gone (new calls
+  to it fail at once, naming it) and its own calls to the leaver are done. So
+  when every member has answered, nobody has a call left on the leaver, and
+  it may stop.
+- User callbacks (``on_membership_change``) run on one thread,
+  ``rrpc-membership``, in log order; never on a transport thread.
+
+Theory of operation. Join (``init_rpc`` without a world size): count an
+incarnation of the rank; claim the name, then the rank; append ``joined``;
+apply the log up to that event (the joiner's first view, itself included);
+then, once the agent serves requests, notify every member. Leave (graceful
+``shutdown``): let go of every user RRef held here and wait until the owners
+have the DELETEs and every call this worker made is answered; append ``left``;
+free the claims; notify every member and wait for the answers; stop. A worker
+that cannot reach the store at leave still notifies the members directly
+(index 0: an event outside the log), then raises ``StoreUnreachableError``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from rrpc import functions
+from rrpc.agent import Agent
+from rrpc.messages import CALL, RpcError, WorkerInfo
+from rrpc.rendezvous import REQUEST_LIMIT, Rendezvous, StoreUnreachableError
+
+log = logging.getLogger("rrpc")
+
+PROBE_TIMEOUT = 2.0  # seconds a claim's holder has to accept a TCP connection
+NOTICE_TIMEOUT = 5.0  # seconds a member has to answer a join notice
+
+
+@dataclass(frozen=True)
+class MembershipEvent:
+    """A change of a dynamic group, as ``on_membership_change`` callbacks get it.
+
+    ``kind`` is ``"joined"`` or ``"left"``; ``worker`` the worker that did;
+    ``address`` where it serves; ``incarnation`` how many times its rank had
+    joined before (a ``"joined"`` event with a name already in the group is a
+    rejoin: the old process is gone, calls to it failed, calls from now on go
+    to the new one)."""
+
+    kind: str
+    worker: WorkerInfo
+    address: str
+    incarnation: int
+
+
+_callbacks: list[Callable[[MembershipEvent], Any]] = []
+_deliveries: queue.SimpleQueue = queue.SimpleQueue()  # (callbacks, event), in log order
+_deliverer: threading.Thread | None = None
+_callbacks_lock = threading.Lock()
+
+
+def on_membership_change(callback: Callable[[MembershipEvent], Any]) -> Callable[[], None]:
+    """Call ``callback(event)`` whenever a worker joins or leaves this worker's
+    dynamic group; returns a function that unsubscribes it.
+
+    Callbacks run one at a time, in the order the group changed, on a thread
+    of their own (they may make RPCs); an exception in one is logged. They
+    stay subscribed across ``shutdown()`` and ``init_rpc()``. Events come from
+    dynamic groups only (``init_rpc`` without a world size).
+
+    Example::
+
+        def changed(event):
+            print(event.kind, event.worker.name)   # "joined trainer3", "left trainer1"
+
+        unsubscribe = rrpc.on_membership_change(changed)
+    """
+    global _deliverer
+    if not callable(callback):
+        raise TypeError(f"callback must be callable, not {type(callback).__name__}")
+    with _callbacks_lock:
+        _callbacks.append(callback)
+        if _deliverer is None:
+            _deliverer = threading.Thread(target=_deliver, name="rrpc-membership", daemon=True)
+            _deliverer.start()
+
+    def unsubscribe() -> None:
+        with _callbacks_lock:
+            if callback in _callbacks:
+                _callbacks.remove(callback)
+
+    return unsubscribe
+
+
+def _deliver() -> None:
+    while True:
+        callbacks, event = _deliveries.get()
+        for callback in callbacks:
+            try:
+                callback(event)
+            except Exception:
+                log.exception("rrpc: membership callback %r failed on %s", callback, event)
+
+
+def get_worker_infos() -> list[WorkerInfo]:
+    """Every worker of this worker's group, itself included, ordered by rank.
+
+    In a dynamic group it reads the group's log first, so it reflects every
+    join and leave the store has seen; in a static group it is the world.
+
+    Example::
+
+        [w.name for w in rrpc.get_worker_infos()]   # ['ps', 'trainer0', 'trainer1']
+    """
+    from rrpc.agent import current_agent
+
+    agent = current_agent()
+    group = _group
+    if group is None or group.agent is not agent:
+        return agent.all_workers()
+    return group.workers()
+
+
+# The group this process is a member of (dynamic membership), while it is.
+_group: Group | None = None
+
+
+def current() -> Group | None:
+    return _group
+
+
+class Group:
+    """This worker's membership of a dynamic group; see the module doc."""
+
+    def __init__(self, rendezvous: Rendezvous, rank: int):
+        self.rendezvous = rendezvous
+        self.rank = rank
+        self.prefix = f"rrpc/group/{os.environ.get('RRPC_GROUP') or 'default'}/"
+        self.lock = threading.RLock()  # applying events; held across store reads
+        self.applied = 0  # the log's events applied here, 1..applied
+        self.members: dict[str, dict] = {}  # name -> its "joined" record
+        self.agent: Agent | None = None
+        self.record: dict | None = None  # this worker's own record once joined
+        self._claimed: list[str] = []  # store keys holding our record
+        self._joined_at = 0  # the index of our "joined" event
+
+    # -- Store requests ------------------------------------------------------
+    def _request(self, what: str, operation: Callable[[], Any], limit: float) -> Any:
+        return self.rendezvous.request(what, operation, limit)
+
+    def next_incarnation(self, limit: float) -> int:
+        """How many times this rank joined before (0 the first time); counts this join."""
+        store, key = self.rendezvous.store, f"{self.prefix}incarnation/{self.rank}"
+        return self._request("joining", lambda: store.add(key, 1), limit) - 1
+
+    # -- Joining -------------------------------------------------------------
+    def join(self, agent: Agent, limit: float) -> None:
+        """Claim name and rank, append ``joined``, learn the group (see the module doc)."""
+        self.agent = agent
+        name = agent.info.name
+        self.rendezvous.mark_mode()
+        record = {
+            "kind": "joined",
+            "name": name,
+            "rank": self.rank,
+            "incarnation": agent.incarnation,
+            "address": agent.address,
+            "advertised": agent.advertisement(),
+        }
+        self.record, mine = record, json.dumps(record)
+        try:
+            self._claim(f"{self.prefix}name/{name}", mine, limit, f"worker name {name!r}")
+            self._claim(f"{self.prefix}rank/{self.rank}", mine, limit, f"rank {self.rank}")
+            self._joined_at = self._append(mine, limit)
+            self.catch_up(self._joined_at, limit=limit)
+        except BaseException:
+            self._release(limit)
+            raise
+        global _group
+        _group = self
+
+    def _claim(self, key: str, mine: str, limit: float, what: str) -> None:
+        store = self.rendezvous.store
+        for _ in range(10):
+            current = self._request(
+                "joining", lambda: _text(store.compare_set(key, "", mine)), limit
+            )
+            if current != mine:
+                holder = json.loads(current)
+                if _answers(holder["address"]):
+                    raise RpcError(
+                        f"{what} is not unique: worker {holder['name']!r} (rank "
+                        f"{holder['rank']}) holds it and still runs at {holder['address']}"
+                    )
+                # Its holder died without leaving: this join is a rejoin; take it over.
+                current = self._request("joining", _swap(store, key, current, mine), limit)
+                if current != mine:
+                    continue  # someone else changed it meanwhile: look again
+                log.info(
+                    "rrpc: %s takes %s over from %r (rank %d) at %s, which no longer answers",
+                    self.agent.info.name if self.agent else "?",
+                    what,
+                    holder["name"],
+                    holder["rank"],
+                    holder["address"],
+                )
+            self._claimed.append(key)
+            return
+        raise RpcError(f"could not claim {what}: it kept changing hands")
+
+    def _release(self, limit: float) -> None:
+        """Free our claims (those still ours: a successor's stay)."""
+        store, mine = self.rendezvous.store, json.dumps(self.record)
+        claimed, self._claimed = self._claimed, []
+        for key in claimed:
+
+            def free(key: str = key) -> None:
+                store.compare_set(key, mine, "")
+
+            try:
+                self._request("leaving", free, limit)
+            except Exception:
+                pass  # unreachable: logged; a successor takes it over after a probe
+
+    def _append(self, text: str, limit: float) -> int:
+        store, prefix = self.rendezvous.store, self.prefix
+
+        def append() -> int:
+            index = store.add(f"{prefix}events", 1)
+            store.set(f"{prefix}event/{index}", text)
+            return index
+
+        return self._request("writing to the group's log", append, limit)
+
+    def announce(self) -> None:
+        """Tell every member that this worker joined (after it serves requests)."""
+        assert self.record is not None
+        self._notify(self._joined_at, json.dumps(self.record), NOTICE_TIMEOUT, 0.0)
+
+    # -- Applying the log ----------------------------------------------------
+    def catch_up(
+        self, index: int | None = None, given: str | None = None, limit: float = REQUEST_LIMIT
+    ) -> None:
+        """Apply the log up to event ``index`` (None: its end); ``given`` is
+        event ``index`` itself, when a notice brought it."""
+        store, prefix = self.rendezvous.store, self.prefix
+        with self.lock:
+            if index is None:
+                index = self._request(
+                    "reading the group's log", lambda: store.add(f"{prefix}events", 0), limit
+                )
+            if index <= self.applied:
+                return
+            known = {index: given} if given is not None else {}
+            missing = [i for i in range(self.applied + 1, index + 1) if i not in known]
+            if missing:
+                keys = [f"{prefix}event/{i}" for i in missing]
+                texts = self._request(
+                    "reading the group's log", lambda: store.multi_get(keys), limit
+                )
+                known.update(zip(missing, (_text(text) for text in texts), strict=True))
+            for i in range(self.applied + 1, index + 1):
+                self._apply(json.loads(known[i]))
+                self.applied = i
+
+    def _apply(self, event: dict) -> None:
+        """One event, in log order (or outside it, from a leaver that could not
+        reach the store: only a "left" for the member's current incarnation applies)."""
+        assert self.agent is not None
+        agent = self.agent
+        info = WorkerInfo(event["name"], event["rank"])
+        incarnation = (event["rank"], event["incarnation"])
+        if event["kind"] == "joined":
+            for old in [
+                record
+                for record in self.members.values()
+                if record["name"] == info.name or record["rank"] == info.id
+            ]:
+                del self.members[old["name"]]
+                agent.remove_peer(
+                    WorkerInfo(old["name"], old["rank"]),
+                    f"worker {old['name']!r} (rank {old['rank']}) was replaced: "
+                    f"{info.name!r} joined as rank {info.id} at {event['address']}",
+                    close=True,  # its process is gone; its stream went to the old address
+                )
+            self.members[info.name] = event
+            agent.add_peer(info, event["address"], event["advertised"])
+        else:
+            current = self.members.get(info.name)
+            if current is None or (current["rank"], current["incarnation"]) != incarnation:
+                return  # an older incarnation's, or already applied
+            del self.members[info.name]
+            if info == agent.info:
+                return
+            agent.remove_peer(
+                info, f"worker {info.name!r} (rank {info.id}) left the group", close=False
+            )
+        with _callbacks_lock:
+            callbacks = list(_callbacks)
+        if callbacks:
+            change = MembershipEvent(event["kind"], info, event["address"], event["incarnation"])
+            _deliveries.put((callbacks, change))
+
+    def lookup(self, worker: str | int) -> tuple[WorkerInfo, str, dict] | None:
+        """A member by name or rank, after reading the log; None if there is none."""
+        self.catch_up()
+        with self.lock:
+            for record in self.members.values():
+                if worker in (record["name"], record["rank"]):
+                    info = WorkerInfo(record["name"], record["rank"])
+                    return info, record["address"], record["advertised"]
+        return None
+
+    def workers(self) -> list[WorkerInfo]:
+        self.catch_up()
+        with self.lock:
+            infos = [WorkerInfo(r["name"], r["rank"]) for r in self.members.values()]
+        return sorted(infos, key=lambda info: info.id)
+
+    # -- Notices -------------------------------------------------------------
+    def _notify(self, index: int, text: str, timeout: float, drain: float) -> None:
+        """Send the event to every other member; wait for their answers (each
+        within ``timeout`` seconds, 0: none). Members that are gone are skipped."""
+        assert self.agent is not None
+        agent = self.agent
+        with self.lock:
+            targets = [
+                WorkerInfo(r["name"], r["rank"])
+                for r in self.members.values()
+                if r["name"] != agent.info.name
+            ]
+        replies = []
+        for peer in targets:
+            try:
+                replies.append(
+                    agent.send(
+                        peer,
+                        CALL,
+                        (_notice, (index, text, drain), {}),
+                        timeout,
+                        f"membership notice to {peer.name}",
+                    )
+                )
+            except RpcError as exc:
+                log.debug("rrpc: membership notice to %s not sent: %s", peer.name, exc)
+        for reply in replies:
+            try:
+                reply.wait()
+            except Exception as exc:  # gone, or leaving too: it learns from the log
+                log.debug("rrpc: membership notice not answered: %s", exc)
+
+    # -- Leaving ---------------------------------------------------------------
+    def release_rrefs(self) -> None:
+        from rrpc import rref  # the protocols sit beside this one; imported when leaving
+
+        if rref._ctx is not None:
+            rref._ctx.release_user_forks()
+
+    def leave(self, deadline: float, graceful: bool) -> None:
+        """Append ``left``, free the claims, tell the members (see the module doc).
+
+        Raises ``StoreUnreachableError`` if the store did not answer within
+        the time left before ``deadline`` (at most ``REQUEST_LIMIT``); the
+        members are told directly then."""
+        global _group
+        assert self.agent is not None and self.record is not None
+        limit = min(REQUEST_LIMIT, _remaining(deadline)) if graceful else 2.0
+        text = json.dumps({**self.record, "kind": "left"})
+        unreachable: StoreUnreachableError | None = None
+        try:
+            index = self._append(text, limit)
+            self._release(limit)
+            with self.lock:  # members that joined before we left: they must hear of it
+                self.catch_up(index - 1, limit=limit)
+        except StoreUnreachableError as exc:
+            index, unreachable = 0, exc
+        if _group is self:
+            _group = None
+        remaining = _remaining(deadline)
+        if graceful and remaining > 0:
+            wait = 0.0 if remaining == math.inf else remaining
+            self._notify(index, text, wait, wait)
+        if unreachable is not None:
+            raise unreachable
+
+
+def _notice(index: int, text: str, drain: float) -> None:
+    """A member joined or left (``text``, event ``index`` of the log; 0: an
+    event a leaver could not write to the store). Answered once applied and,
+    for a leaver, once this worker has no call left on it (``drain``: seconds,
+    0 no limit)."""
+    group = _group
+    if group is None:
+        return  # not (or no longer) a member
+    event = json.loads(text)
+    if index:
+        group.catch_up(index, text)
+    else:
+        with group.lock:
+            group._apply(event)
+    if event["kind"] == "left" and group.agent is not None:
+        group.agent.wait_idle(drain or math.inf, peer=event["rank"])
+
+
+functions.expose(_notice)  # restricted mode: peers may send it; it takes only JSON text
+
+
+def _swap(store: Any, key: str, expected: str, desired: str) -> Callable[[], str]:
+    return lambda: _text(store.compare_set(key, expected, desired))
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _answers(address: str) -> bool:
+    """Whether something accepts TCP connections at ``address`` (host:port)."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_TIMEOUT):
+            return True
+    except OSError:
+        return False
+
+
+def _remaining(deadline: float) -> float:
+    return max(0.0, deadline - time.monotonic()) if deadline != math.inf else math.inf
