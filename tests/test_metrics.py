@@ -21,7 +21,7 @@ import torch
 import rrpc
 from harness import free_port, mp_context, run_workers
 from rrpc import metrics
-from rrpc.agent import _WorkerPool
+from rrpc.pool import WorkerPool
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -53,7 +53,7 @@ def test_percentiles_are_within_half_a_bucket_of_the_exact_sample():
 
 
 def test_worker_pool_counts_the_requests_waiting_for_a_thread():
-    pool = _WorkerPool(1, "rrpc-test-pool")
+    pool = WorkerPool(1, "rrpc-test-pool")
     started, release = threading.Event(), threading.Event()
 
     def blocked() -> None:
