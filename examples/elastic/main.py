@@ -215,7 +215,14 @@ class Server:
             self.step += 1
             if self.step % self.args.steps_per_epoch == 0 or self.step == len(self.steps):
                 self.record_epoch()
-            if self.step == self.kill_at and "trainer0" in self.pids:
+            # At kill_at, or at the first step after it once trainer0 has shown up
+            # (the other trainer may do the first steps alone).
+            if (
+                self.kill_at
+                and self.killed_at is None
+                and self.step >= self.kill_at
+                and ("trainer0" in self.pids)
+            ):
                 kill, self.killed_at = self.pids["trainer0"], time.monotonic()
             self.cond.notify_all()
         if kill is not None:
