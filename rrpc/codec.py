@@ -55,6 +55,7 @@ import hashlib
 import io
 import mmap
 import pickle
+import pickletools
 import struct
 import sys
 import threading
@@ -721,7 +722,30 @@ class _RestrictedUnpickler(pickle.Unpickler):
         raise RefusedGlobalError("restricted mode refuses persistent ids in a pickle")
 
 
+# A memo index a pickle may name. CPython 3.11's unpickler grows its memo to
+# twice the largest index PUT / LONG_BINPUT names and clears every slot while
+# holding the GIL: a 9-byte pickle naming index 2**28 took 8.9 s and 4 GiB
+# here. rrpc's own pickles (protocol 5) use MEMOIZE, which only appends.
+MAX_MEMO_INDEX = 1 << 20
+_MEMO_PUTS = frozenset({"PUT", "BINPUT", "LONG_BINPUT", "GET", "BINGET", "LONG_BINGET"})
+
+
+def _check_memo_indices(data: Any) -> None:
+    """Refuse a pickle that names a memo index above ``MAX_MEMO_INDEX``
+    (restricted mode walks every pickle's opcodes for it, before unpickling)."""
+    try:
+        for opcode, argument, _ in pickletools.genops(bytes(data)):
+            if opcode.name in _MEMO_PUTS and int(argument or 0) > MAX_MEMO_INDEX:
+                raise RefusedGlobalError(
+                    f"restricted mode refuses a pickle that names memo index {argument} "
+                    f"(above {MAX_MEMO_INDEX}): unpickling it would allocate its memo"
+                )
+    except (ValueError, TypeError):  # malformed opcodes: the unpickler says why
+        return
+
+
 def _restricted_loads(data: Any, *, buffers: Any = None) -> Any:
+    _check_memo_indices(data)
     return _RestrictedUnpickler(io.BytesIO(data), buffers=buffers).load()
 
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 import collections
 import json
 import os
+import pickle
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -433,3 +435,31 @@ def test_the_parameter_server_example_runs_in_restricted_mode(tmp_path):
     assert [h["epoch"] for h in history] == list(range(1, metrics["epochs"] + 1))
     assert history[-1]["train_loss"] < history[0]["train_loss"]
     assert metrics["final_test_accuracy"] >= 0.93, run.stdout[-3000:]
+
+
+# -- Resources a pickle can claim --------------------------------------------------
+
+
+@pytest.fixture
+def restricted_codec():
+    codec.set_restricted(True)
+    try:
+        yield
+    finally:
+        codec.set_restricted(False)
+
+
+@pytest.mark.parametrize("opcode", [b"r", b"j"])  # LONG_BINPUT, LONG_BINGET
+def test_a_nine_byte_pickle_naming_a_huge_memo_index_is_refused_before_unpickling(
+    restricted_codec, opcode
+):
+    # CPython 3.11 grows its memo to twice the index and clears every slot, with
+    # the GIL held: index 2**28 cost 8.9 s and 4 GiB of memory here.
+    data = b"\x80\x05N" + opcode + (1 << 28).to_bytes(4, "little") + b"."
+    start = time.monotonic()
+    with pytest.raises(codec.RefusedGlobalError, match="memo index 268435456"):
+        codec.unpickle(data)
+    assert time.monotonic() - start < 1.0
+    shared = {"a": (1, 2)}  # memoized once, named again: small indices pass
+    value = [shared, shared, [3.0]]
+    assert codec.unpickle(pickle.dumps(value, protocol=2)) == value
