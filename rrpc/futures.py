@@ -318,30 +318,7 @@ def wait_until(future: Any, timeout: float) -> bool:
 
 def all_of(futures: list[torch.futures.Future]) -> torch.futures.Future:
     """A future done when all are, failing with the first failure as soon as it happens."""
-    combined: torch.futures.Future = torch.futures.Future()
-    lock = threading.Lock()
-    remaining = [len(futures)]
-
-    def done(future: torch.futures.Future) -> None:
-        error = None
-        try:
-            future.wait()
-        except BaseException as exc:
-            error = exc
-        with lock:
-            remaining[0] -= 1
-            if combined.done() or (error is None and remaining[0]):
-                return
-        if error is not None:
-            combined.set_exception(error)
-        else:
-            combined.set_result(None)
-
-    if not futures:
-        combined.set_result(None)
-    for future in futures:
-        on_done(future, done)
-    return combined
+    return _combine(futures, fail_fast=True)
 
 
 def all_settled(
@@ -349,20 +326,39 @@ def all_settled(
 ) -> torch.futures.Future:
     """A future that never fails, done when all ``futures`` are; each failure
     goes to ``on_error`` (best-effort work: releases, deletes)."""
+    return _combine(futures, fail_fast=False, on_error=on_error)
+
+
+def _combine(
+    futures: list[torch.futures.Future],
+    fail_fast: bool,
+    on_error: Callable[[BaseException], None] | None = None,
+) -> torch.futures.Future:
+    """Done (with None) when every future is; with ``fail_fast``, failed by the
+    first failure as soon as it happens. Exactly one completion: which one is
+    decided under the lock, so a failure and the last success racing on two
+    threads cannot both complete it."""
     combined: torch.futures.Future = torch.futures.Future()
-    remaining = [len(futures)]
     lock = threading.Lock()
+    remaining = [len(futures)]
+    decided = [False]
 
     def done(future: torch.futures.Future) -> None:
+        error = None
         try:
             future.wait()
         except BaseException as exc:
+            error = exc
             if on_error is not None:
                 on_error(exc)
         with lock:
             remaining[0] -= 1
-            last = remaining[0] == 0
-        if last:
+            if decided[0] or not ((fail_fast and error is not None) or remaining[0] == 0):
+                return
+            decided[0] = True
+        if fail_fast and error is not None:
+            combined.set_exception(error)
+        else:
             combined.set_result(None)
 
     if not futures:

@@ -93,3 +93,57 @@ def test_wait_raises_a_copy_of_the_error_so_the_future_holds_no_frame():
             future.wait()
         raised.append(error.value)
     assert raised[0] is not raised[1]
+
+
+# -- Combinations -------------------------------------------------------------------
+
+
+def test_all_of_fails_at_the_first_failure_before_the_others_are_done():
+    first, second = torch.futures.Future(), torch.futures.Future()
+    combined = futures.all_of([first, second])
+    first.set_exception(ValueError("first"))
+    assert combined.done()  # second is still pending
+    with pytest.raises(ValueError, match="first"):
+        combined.wait()
+    second.set_result(2)  # completing the rest changes nothing
+    assert futures.all_of([]).done()
+
+
+def test_all_settled_never_fails_and_reports_each_failure():
+    parts = [torch.futures.Future() for _ in range(3)]
+    errors: list[BaseException] = []
+    combined = futures.all_settled(parts, errors.append)
+    parts[0].set_exception(KeyError("a"))
+    parts[1].set_result(1)
+    assert not combined.done()
+    parts[2].set_exception(KeyError("b"))
+    assert combined.wait() is None
+    assert [str(error) for error in errors] == ["'a'", "'b'"]
+
+
+def _complete_together(go, future, error, raised):
+    go.wait()
+    try:
+        future.set_exception(error) if error else future.set_result(1)
+    except BaseException as exc:  # e.g. the combination completed twice
+        raised.append(exc)
+
+
+def test_a_failure_and_the_last_success_racing_complete_the_combination_once():
+    for _ in range(200):
+        failing, succeeding = torch.futures.Future(), torch.futures.Future()
+        combined = futures.all_of([failing, succeeding])
+        go, raised = threading.Barrier(2), []
+        threads = [
+            threading.Thread(
+                target=_complete_together, args=(go, failing, ValueError("lost"), raised)
+            ),
+            threading.Thread(target=_complete_together, args=(go, succeeding, None, raised)),
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+        assert raised == []
+        with pytest.raises(ValueError, match="lost"):
+            combined.wait()
