@@ -21,7 +21,8 @@ Theory of operation:
 Where each job lives: the call table in ``calls.py`` (no I/O, unit-tested
 alone), futures and every wait in ``futures.py``, streams and packets in
 ``transport.py``, frames in ``codec.py``, the worker pool in ``pool.py``;
-here the peer directory, dispatch and the deadline thread.
+the peer directory in ``peers.py``; here dispatch, connections and the
+deadline thread.
 
 Threads (ARCHITECTURE.md has the full table, with what each runs). The rule:
 user code (functions, ``then``/``add_done_callback`` callbacks,
@@ -64,7 +65,7 @@ from typing import Any, Protocol
 import grpc
 import torch
 
-from rrpc import codec, faults, logs, messages, metrics, shm, transport
+from rrpc import codec, faults, logs, messages, metrics, peers, shm, transport
 from rrpc.calls import Call, CallTable
 from rrpc.futures import (
     Future,
@@ -208,14 +209,7 @@ class Agent:
         self.autograd_hooks: AutogradHooks | None = None
         self.metrics = metrics.Metrics()  # calls, errors, bytes, latency: by peer, by function
         self.stats = self.metrics.peers  # the rows by peer name
-        self._peers_by_name: dict[str, WorkerInfo] = {}
-        self._peers_by_rank: dict[int, WorkerInfo] = {}
-        self._addresses: dict[int, str] = {}
-        # Finds a worker this one does not know yet (dynamic membership): set by init_rpc.
-        self.lookup: Callable[[str | int], tuple[WorkerInfo, str, dict] | None] | None = None
-        # Dynamic membership: why each worker that left is gone (by name and by
-        # rank), and how many times this rank joined before (rrpc/membership.py).
-        self.departed: dict[str | int, str] = {}
+        # Dynamic membership: how many times this rank joined before (rrpc/membership.py).
         self.incarnation = 0
         self.calls = CallTable()  # the calls this worker sent and awaits
         self.suspects: set[int] = set()  # ranks whose stream broke: maybe dead
@@ -229,14 +223,9 @@ class Agent:
         self._server_credentials, self._channel_credentials = _tls_credentials(options)
         self._metadata = [("rrpc-rank", str(rank))]
         shm.tune_allocator()
-        # Same-host fast path: our slots, peers' slots we mapped, peers that can map ours.
+        # Same-host fast path: our slots, which peers on this host may map.
         self.shm_pool = shm.SenderPool() if options.shared_memory else None
-        self._attachments = shm.Attachments()
-        self._shm_peers: dict[int, shm.Placer] = {}  # rank -> our pool, bound to its pid
-        # rank -> maps that peer's segments, and only its (see shm's rules)
-        self._shm_sources: dict[int, Callable[[Any], torch.Tensor]] = {}
-        # Ranks that run our __main__ script: its functions go to them by name.
-        self._same_main: set[int] = set()
+        self.peers = peers.Directory(self.shm_pool)  # who the others are (peers.py)
         self._pool = WorkerPool(options.num_worker_threads, f"rrpc-{name}")
         self.faults = faults.injector(options)  # None unless FaultyRpcBackendOptions
         self._deadlines = _Deadlines(self.calls, self._expire)
@@ -267,93 +256,45 @@ class Agent:
     def _attach_from(self, rank: int, shared: Any) -> torch.Tensor:
         """A tensor over a shared-memory slot that peer ``rank`` sent on its
         stream: only in that peer's own pool (see shm's rules)."""
-        attach = self._shm_sources.get(rank)
-        if attach is None and rank not in self._peers_by_rank and self.lookup is not None:
-            self._learn(rank)  # a worker that joined after this one
-            attach = self._shm_sources.get(rank)
-        if attach is None:
+        peer = self.peers.get(rank)  # looked up if it joined after this one
+        if peer is None or peer.source is None:
             raise ValueError(f"rank {rank} sent a shared-memory buffer but shares no memory here")
-        return attach(shared)
+        return peer.source(shared)
 
     # -- Peers -----------------------------------------------------------------
     def add_peer(self, info: WorkerInfo, address: str, advertised: dict[str, Any]) -> None:
-        if self.departed:
-            self.departed.pop(info.name, None)
-            self.departed.pop(info.id, None)
-        self._peers_by_name[info.name] = info
-        self._peers_by_rank[info.id] = info
-        self._addresses[info.id] = address
-        if advertised.get("main") and advertised["main"] == codec.main_fingerprint():
-            self._same_main.add(info.id)
-        probe, key = advertised.get("probe", ""), advertised.get("shm_key", "")
-        if probe and key and advertised.get("host") == shm.host_key():
-            pid, key_bytes = int(probe.split("/")[0]), bytes.fromhex(key)
-            if self._attachments.can_open(probe, key_bytes):
-                self._shm_sources[info.id] = self._attachments.bind(pid, key_bytes)
-                if self.shm_pool is not None:
-                    self._shm_peers[info.id] = self.shm_pool.towards(pid)
+        self.peers.add(info, address, advertised)
 
     def remove_peer(self, info: WorkerInfo, reason: str, close: bool) -> None:
         """Forget a worker that left the group (or the old incarnation of one that
         came back): calls to it fail at once with ``PeerUnavailableError(reason)``.
         Calls already on its stream go on unless ``close``."""
         with self._connect_lock:
-            if self._peers_by_name.get(info.name) == info:
-                del self._peers_by_name[info.name]
-            if self._peers_by_rank.get(info.id) == info:
-                del self._peers_by_rank[info.id]
+            self.peers.remove(info, reason)
             connection = self._connections.pop(info.id, None) if close else None
-        self.departed[info.name] = self.departed[info.id] = reason
         if connection is not None:
             connection.close()
 
     def worker_info(self, to: Any) -> WorkerInfo:
-        """Resolve a name, a rank or a WorkerInfo to a known worker.
-
-        As torch: an unknown worker is a RuntimeError (``RpcError``), a value
-        that names no worker at all (a float, None) a ValueError."""
-        if isinstance(to, WorkerInfo):
-            found = self._peers_by_rank.get(to.id)
-        elif isinstance(to, str):
-            found = self._peers_by_name.get(to)
-        elif isinstance(to, int) and not isinstance(to, bool):
-            found = self._peers_by_rank.get(to)
-        else:
-            raise ValueError(
-                f"cannot get a WorkerInfo from {to!r}: pass a name, rank or WorkerInfo"
-            )
-        if found is None and self.lookup is not None:
-            found = self._learn(to.id if isinstance(to, WorkerInfo) else to)
-        if found is None:
-            gone = self.departed.get(to.name if isinstance(to, WorkerInfo) else to)
-            if gone is not None:
-                raise PeerUnavailableError(gone)
-            known = ", ".join(sorted(self._peers_by_name)) or "none"
-            raise RpcError(f"could not find destination worker {to!r} (known workers: {known})")
-        return found
+        """A name, a rank or a WorkerInfo as a known worker (``Directory.resolve``)."""
+        return self.peers.resolve(to)
 
     def get_worker_infos(self) -> list[WorkerInfo]:
         """Every worker this one knows, itself included (torch's agent method)."""
-        return self.all_workers()
-
-    def _learn(self, worker: str | int) -> WorkerInfo | None:
-        """Ask the rendezvous about a worker that joined after this one."""
-        assert self.lookup is not None
-        entry = self.lookup(worker)
-        if entry is None:
-            return None
-        self.add_peer(*entry)
-        return entry[0]
+        return self.peers.all()
 
     def all_workers(self) -> list[WorkerInfo]:
-        return [self._peers_by_rank[rank] for rank in sorted(self._peers_by_rank)]
+        return self.peers.all()
 
     def all_unreachable(self, ranks: list[int], timeout: float = 2.0) -> bool:
         """True if none of ``ranks`` answers a no-op call: they are gone."""
         probes = []
         for rank in ranks:
+            found = self.peers.get(rank)
+            if found is None:
+                continue
             try:
-                peer = self._peers_by_rank[rank]
+                peer = found.info
                 probes.append(
                     self.send(peer, messages.CALL, (int, (), {}), timeout, "liveness probe")
                 )
@@ -422,6 +363,7 @@ class Agent:
     ) -> codec.Outgoing:
         """One message (request or reply) for ``peer``, its tensors that require
         grad shown to distributed autograd under ``key``."""
+        entry = self.peers.known(peer.id)
         out = codec.encode(
             kind,
             request_id,
@@ -429,9 +371,9 @@ class Agent:
             autograd_context_id=context_id,
             peer=peer,
             max_message_size=self.options.max_message_size,
-            shared_memory=self._shm_peers.get(peer.id),
+            shared_memory=entry.placer if entry is not None else None,
             shm_threshold=self.options.shm_threshold,
-            same_main=peer.id in self._same_main,
+            same_main=entry is not None and entry.same_main,
         )
         if out.grad_tensors and context_id and self.autograd_hooks is not None:
             self.autograd_hooks.on_send(context_id, peer, key, out.grad_tensors)
@@ -446,8 +388,13 @@ class Agent:
             if connection is None:
                 if self._stopped:
                     raise RpcError(f"rrpc on {self.info.name} is shut down")
+                address = self.peers.address(peer.id)
+                if address is None:
+                    raise PeerUnavailableError(
+                        self.peers.departed.get(peer.id, f"{peer.name} is not a known worker")
+                    )
                 connection = transport.Connection(
-                    self._addresses[peer.id],
+                    address,
                     self._metadata,
                     on_frame=lambda frame: self._on_reply(peer, frame),
                     on_close=lambda closed, error: self._on_stream_closed(peer, closed, error),
@@ -521,7 +468,7 @@ class Agent:
                 "%s: stream to %s at %s failed: %s",
                 self.info.name,
                 peer.name,
-                self._addresses.get(peer.id, "?"),
+                self.peers.address(peer.id) or "?",
                 error,
             )
         # Close its channel now: an open channel left to the garbage collector
@@ -544,11 +491,8 @@ class Agent:
             # A peer that finished init_rpc first may call before this worker
             # knows every peer and is current: its functions would not find them.
             self.ready.wait(self.options.init_timeout)
-        peer = self._peers_by_rank.get(peer_rank)
-        if peer is None:
-            peer = (self._learn(peer_rank) if self.lookup else None) or WorkerInfo(
-                f"rank{peer_rank}", peer_rank
-            )
+        entry = self.peers.get(peer_rank)  # looked up if it joined after this one
+        peer = entry.info if entry is not None else WorkerInfo(f"rank{peer_rank}", peer_rank)
         # Inline: on the stream's reader thread, which handed reading to its partner.
         inline = inline and self.options.run_inline
         if not (inline and self._pool.run_inline(self._serve, frame, peer, respond)):

@@ -112,7 +112,7 @@ def init_rpc(
             _start_exporter(agent)
             if group is not None:
                 group.join(agent, options.init_timeout)
-                agent.lookup = group.lookup
+                agent.peers.lookup = group.lookup
             else:
                 for info, address, advertised in rendezvous.exchange(
                     name, agent.address, agent.advertisement()
