@@ -106,6 +106,12 @@ PEER_IN_FLIGHT = 64
 # A frame weighs one request more per this many tensor buffers: each buffer
 # costs the receiver an object for as little as one byte on the wire.
 BUFFERS_PER_REQUEST = 256
+# Reply bytes a stream may hold unsent (its caller reads slower than this
+# worker answers, or not at all) before the stream's requests stop being
+# read. What is admitted already still runs and answers, so a stream holds at
+# most this plus the replies of the requests in flight; a caller that reads
+# gets every reply.
+REPLY_BACKLOG = 64 << 20
 
 
 def _weight(frame: codec.Frame) -> int:
@@ -159,6 +165,10 @@ class Outbox:
     """One direction of a stream: the frames waiting to go, and how many
     exchanges are open on it (requests without their reply yet).
 
+    ``backlog`` (bytes put and not yet handed to gRPC) is kept only when
+    ``track_backlog``: the server's reply side, whose readers wait in
+    ``wait_for_room`` while it is over ``REPLY_BACKLOG``.
+
     Under load the sender lingers ``batch_delay`` seconds before cutting a
     packet, so that one gRPC message carries many frames: gRPC's per-message
     cost in Python (~100 µs per side here) would otherwise dominate. It
@@ -166,7 +176,13 @@ class Outbox:
     lone call never waits. The counts are advisory: they steer batching only.
     """
 
-    def __init__(self, packet_size: int, batch_delay: float = 0.0, batch_min_open: int = 0):
+    def __init__(
+        self,
+        packet_size: int,
+        batch_delay: float = 0.0,
+        batch_min_open: int = 0,
+        track_backlog: bool = False,
+    ):
         self.queue: queue.SimpleQueue = queue.SimpleQueue()
         self.packet_size = packet_size
         self.batch_delay = batch_delay
@@ -181,6 +197,9 @@ class Outbox:
         self.received = 0
         self._closing = False  # end once every exchange is answered (end_when_answered)
         self._closing_lock = threading.Lock()
+        self.backlog = 0
+        self._room: threading.Condition | None = threading.Condition() if track_backlog else None
+        self._over = False  # the stream ended: nobody waits for room any more
 
     def open_exchanges(self) -> int:
         return abs(self._sent - self.received)
@@ -188,6 +207,10 @@ class Outbox:
     def put(self, pieces: list[Any]) -> None:
         """Queue one frame's pieces, from any thread."""
         self._sent = next(self._sends)
+        if self._room is not None:
+            size = sum(map(len, pieces))
+            with self._room:
+                self.backlog += size
         self.queue.put(pieces)
         if self._closing:
             self._end_if_answered()
@@ -210,6 +233,28 @@ class Outbox:
         if error is not None:
             self.queue.put(error)
         self.queue.put(_CLOSE)
+        if self._room is not None:
+            with self._room:
+                self._over = True
+                self._room.notify_all()
+
+    def wait_for_room(self) -> bool:
+        """Wait while more than ``REPLY_BACKLOG`` bytes wait to go; False if
+        the stream ended meanwhile."""
+        room = self._room
+        if room is None or self.backlog <= REPLY_BACKLOG:
+            return not self._over
+        with room:
+            while self.backlog > REPLY_BACKLOG and not self._over:
+                room.wait()
+            return not self._over
+
+    def _sent_bytes(self, size: int) -> None:
+        assert self._room is not None
+        with self._room:
+            self.backlog -= size
+            if self.backlog <= REPLY_BACKLOG:
+                self._room.notify_all()
 
     def packets(self) -> Iterator[bytes]:
         """Packets of the queued frames, until the stream ends."""
@@ -219,7 +264,11 @@ class Outbox:
             if end is None and self.batch_delay and self.open_exchanges() >= self.batch_min_open:
                 self.sleep(self.batch_delay)  # asleep, not waiting: puts wake nobody
                 end = self._drain(batch, block=False)
-            if batch:
+            if batch and self._room is not None:
+                for packet in codec.packets(itertools.chain.from_iterable(batch), self.packet_size):
+                    yield packet
+                    self._sent_bytes(len(packet))  # gRPC took it (flow control let it go)
+            elif batch:
                 yield from codec.packets(itertools.chain.from_iterable(batch), self.packet_size)
             if isinstance(end, BaseException):
                 raise end
@@ -623,7 +672,7 @@ class Server:
                 grpc.StatusCode.UNAUTHENTICATED,
                 "the callee has no auth token, and the caller requires one",
             )
-        outbox = Outbox(self._packet_size, *self._batching)
+        outbox = Outbox(self._packet_size, *self._batching, track_backlog=True)
         with self._in_flight_lock:
             in_flight = self._in_flight.setdefault(peer_rank, _InFlight(PEER_IN_FLIGHT))
         over = threading.Event()
@@ -655,7 +704,7 @@ class Server:
             reader,
             outbox,
             on_frame,
-            lambda frame: in_flight.take(_weight(frame), over.is_set),
+            lambda frame: outbox.wait_for_room() and in_flight.take(_weight(frame), over.is_set),
         )
         for turn in range(2):
             threading.Thread(

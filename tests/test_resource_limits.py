@@ -9,7 +9,9 @@ One world of three workers sharing the token (``RRPC_AUTH_TOKEN``):
   (b) floods 200,000 tiny call frames, all in one gRPC message;
 - worker2 calls worker1 over and over during the flood and times each call;
 - worker0 then makes more nested calls at once than a peer may have waiting
-  (worker0 -> worker1 -> worker0 -> worker1), which must not deadlock.
+  (worker0 -> worker1 -> worker0 -> worker1), which must not deadlock;
+- and (c) sends 400 calls that each answer 768 KiB (300 MiB in all) on a
+  stream whose replies it does not read, then reads them.
 
 worker1's memory is read from ``/proc/<pid>/status`` and ``/proc/<pid>/maps``
 by worker0 (same host), and what its frame readers hold by ``_partial_frames``
@@ -28,6 +30,7 @@ import time
 
 import grpc
 import pytest
+import torch
 
 import rrpc
 from harness import run_workers
@@ -44,6 +47,8 @@ PACKET = 2 << 20
 FLOOD = 200_000
 NESTED = 400  # nested calls at once, far more than a peer may have waiting
 MiB = 1 << 20
+UNREAD = 400  # calls whose replies wait unread
+REPLY = 768 << 10  # each reply's tensor: below the shared-memory threshold, so in the stream
 
 
 def _noop():
@@ -107,10 +112,12 @@ def _wait_until(condition, timeout):
 
 class _RawStream:
     """An authenticated Exchange stream to worker1, driven by hand: packets in,
-    replies counted."""
+    replies counted. ``reading`` cleared: replies are not read until it is set
+    (gRPC's flow control then pushes back on worker1)."""
 
-    def __init__(self, address):
+    def __init__(self, address, reading=None):
         self._address = address
+        self._reading = reading
         self._nonce = auth.new_nonce()
         self._outgoing: queue.SimpleQueue = queue.SimpleQueue()
         self._authenticated = threading.Event()
@@ -135,6 +142,8 @@ class _RawStream:
                 for frame in reader.feed(packet):
                     if frame.envelope.kind == HANDSHAKE:
                         self._prove(frame.envelope.handshake.nonce)
+                        if self._reading is not None:
+                            self._reading.wait()
                         continue
                     with self._changed:
                         self.replies += 1
@@ -220,6 +229,48 @@ def _flood(address, pid):
     return seen
 
 
+_ran = {"count": 0}
+
+
+def _big_reply():
+    _ran["count"] += 1  # on worker1's pool: a lost increment only under-counts
+    return torch.ones(REPLY // 4)
+
+
+def _runs():
+    return _ran["count"]
+
+
+def _unread_replies(address, pid):
+    """400 calls of 768 KiB replies on a stream whose replies go unread: worker1
+    runs only so many of them (the rest wait unread on the socket), holds a
+    bounded number of bytes, serves others meanwhile; then every reply arrives."""
+    seen = {"before": _memory(pid)}
+    reading = threading.Event()
+    stream = _RawStream(address, reading)
+    try:
+        stream.send(b"".join(_encoded_call(_big_reply, i + 1) for i in range(UNREAD)))
+        # Until worker1 stops running them (or has run them all).
+        last, settled = -1, 0
+        while settled < 10:
+            runs = rrpc.rpc_sync("worker1", _runs)
+            settled = settled + 1 if runs == last else 0
+            last = runs
+            if runs == UNREAD:
+                break
+            threading.Event().wait(0.1)  # polls worker1's count; nothing to wait on here
+        seen["ran while unread"] = last
+        seen["during"] = _memory(pid)
+        seen["served meanwhile"] = rrpc.rpc_sync("worker1", _whoami, timeout=10)
+        reading.set()
+        seen["replies"] = stream.wait_for_replies(UNREAD, 60)
+        seen["error"] = stream.error
+    finally:
+        reading.set()
+        stream.cancel()
+    return seen
+
+
 def _innermost(x):
     return x + 1
 
@@ -274,6 +325,7 @@ def _world(rank, world_size):
         "declared, more sent": _declare(address, pid, MORE_SENT),
         "flood": _flood(address, pid),
         "nested": _nested_calls(NESTED),
+        "unread": _unread_replies(address, pid),
     }
 
 
@@ -360,3 +412,23 @@ def test_nested_calls_beyond_the_bound_complete_instead_of_deadlocking(world):
     print(f"{NESTED} nested calls at once: {seen['seconds']:.2f} s")
     assert seen["correct"]
     assert seen["seconds"] < 30
+
+
+# -- Replies its caller does not read ------------------------------------------------
+
+
+def test_a_caller_that_does_not_read_its_replies_stops_being_read(world):
+    seen = world["unread"]
+    print("400 calls of 768 KiB, replies unread:", seen)
+    # What waits in worker1 is bounded: the backlog, plus what was admitted before it filled.
+    held = seen["ran while unread"] * REPLY
+    assert held <= transport.REPLY_BACKLOG + (transport.PEER_IN_FLIGHT + 32) * REPLY, held
+    assert seen["ran while unread"] < UNREAD
+    assert seen["during"]["rss"] - seen["before"]["rss"] < 200 * MiB
+    assert seen["served meanwhile"] == "worker1"
+
+
+def test_once_it_reads_every_reply_arrives(world):
+    seen = world["unread"]
+    assert seen["error"] is None
+    assert seen["replies"] == UNREAD
