@@ -22,6 +22,17 @@ def _stop_leftover_workers():
     harness.kill_leftovers()
 
 
+@pytest.fixture(autouse=True)
+def _unmark_the_test_thread():
+    """A test that drives a stream's reader on its own thread marks that thread
+    a transport thread (``futures.mark_transport_thread``); the next test's
+    callbacks must not see the mark."""
+    yield
+    from rrpc import futures
+
+    futures._marks.transport = False
+
+
 @pytest.fixture(scope="module")
 def cluster():
     """Three rrpc workers kept up for a module's tests; ``cluster.run(fn, *args)``

@@ -19,6 +19,8 @@ commute whatever order they arrive in.
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -106,6 +108,11 @@ def _run(rank: int, world_size: int, framework: str, ddp_port: int):
     torch.manual_seed(SEED + rank)
     name = WORLD[rank]
     if name.startswith("trainer"):
+        # DDP's constructor imports torch._dynamo (2-3 s under load): done here,
+        # not on an RPC thread in _train. Once, with every fast path off, torch's
+        # own run aborted (SIGABRT) inside that import on its RPC thread.
+        importlib.import_module("torch._dynamo")
+
         # DDP among the trainers, in a process group of its own, on its own port.
         init_method = f"tcp://127.0.0.1:{ddp_port}"
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=TRAINERS)
