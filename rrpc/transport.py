@@ -64,7 +64,19 @@ SERVER_HANDSHAKE_TIMEOUT = 10.0  # seconds a caller has to prove itself
 _REFUSED = "wrong or missing auth token"
 
 
-def _channel_options(peer_timeout: float) -> list[tuple[str, int]]:
+# The largest gRPC message a worker accepts, whatever its chunk_size below
+# this: rrpc cuts frames into packets of chunk_size (2 MiB by default), so a
+# bigger message is not rrpc's, and gRPC refuses it from its 5-byte header
+# (RESOURCE_EXHAUSTED), before it holds the bytes. A worker with a chunk_size
+# above it needs the same chunk_size on its peers.
+MIN_PACKET_LIMIT = 64 << 20
+
+
+def packet_limit(packet_size: int) -> int:
+    return max(packet_size, MIN_PACKET_LIMIT)
+
+
+def _channel_options(peer_timeout: float, packet_size: int) -> list[tuple[str, int]]:
     """A frozen or cut-off peer (its socket still open) is noticed within
     ``peer_timeout`` seconds: a keepalive ping every half of it, and the
     stream fails when a ping goes unanswered for the other half."""
@@ -72,7 +84,7 @@ def _channel_options(peer_timeout: float) -> list[tuple[str, int]]:
     return [
         # Our packets are bounded by chunk_size; gRPC's own limits must not bite.
         ("grpc.max_send_message_length", -1),
-        ("grpc.max_receive_message_length", -1),
+        ("grpc.max_receive_message_length", packet_limit(packet_size)),
         ("grpc.keepalive_time_ms", half_ms),
         ("grpc.keepalive_timeout_ms", half_ms),
         ("grpc.http2.ping_timeout_ms", half_ms),  # left at its default, keepalive never fires
@@ -85,7 +97,6 @@ def _channel_options(peer_timeout: float) -> list[tuple[str, int]]:
 
 _SERVER_OPTIONS = [
     ("grpc.max_send_message_length", -1),
-    ("grpc.max_receive_message_length", -1),
     ("grpc.so_reuseport", 0),
     # Accept the callers' keepalive pings (as often as every 0.5 s) without a GOAWAY.
     ("grpc.http2.min_ping_interval_without_data_ms", 500),
@@ -506,7 +517,7 @@ class Connection:
         self.closed = False  # set once the stream has ended, before on_close runs
         self.error: BaseException | None = None  # why it ended, when it failed
         self._outbox = Outbox(packet_size, batch_delay, batch_min_open)
-        options = _channel_options(peer_timeout)
+        options = _channel_options(peer_timeout, packet_size)
         if credentials is None:
             self._channel = grpc.insecure_channel(address, options=options)
         else:
@@ -634,7 +645,10 @@ class Server:
         # A sync gRPC server holds one thread per open stream for the stream's life.
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=4096, thread_name_prefix="rrpc-stream"),
-            options=_SERVER_OPTIONS,
+            options=[
+                *_SERVER_OPTIONS,
+                ("grpc.max_receive_message_length", packet_limit(packet_size)),
+            ],
         )
         handler = grpc.stream_stream_rpc_method_handler(self._exchange)
         self._server.add_generic_rpc_handlers(

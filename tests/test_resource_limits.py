@@ -11,7 +11,8 @@ One world of three workers sharing the token (``RRPC_AUTH_TOKEN``):
 - worker0 then makes more nested calls at once than a peer may have waiting
   (worker0 -> worker1 -> worker0 -> worker1), which must not deadlock;
 - and (c) sends 400 calls that each answer 768 KiB (300 MiB in all) on a
-  stream whose replies it does not read, then reads them.
+  stream whose replies it does not read, then reads them;
+- and (d) sends one gRPC message of 300 MiB (rrpc's are at most chunk_size).
 
 worker1's memory is read from ``/proc/<pid>/status`` and ``/proc/<pid>/maps``
 by worker0 (same host), and what its frame readers hold by ``_partial_frames``
@@ -271,6 +272,21 @@ def _unread_replies(address, pid):
     return seen
 
 
+def _oversize_message(address, pid):
+    seen = {"before": _memory(pid)}
+    stream = _RawStream(address)
+    start = time.monotonic()
+    try:
+        stream.send(b"\0" * (300 * MiB))
+        stream.wait_for_replies(1, 30)  # none comes: until the stream ends
+        seen["seconds"], seen["error"] = time.monotonic() - start, stream.error
+    finally:
+        stream.cancel()
+    seen["after"] = _memory(pid)
+    seen["served after"] = rrpc.rpc_sync("worker1", _whoami, timeout=10)
+    return seen
+
+
 def _innermost(x):
     return x + 1
 
@@ -326,6 +342,7 @@ def _world(rank, world_size):
         "flood": _flood(address, pid),
         "nested": _nested_calls(NESTED),
         "unread": _unread_replies(address, pid),
+        "oversize": _oversize_message(address, pid),
     }
 
 
@@ -432,3 +449,12 @@ def test_once_it_reads_every_reply_arrives(world):
     seen = world["unread"]
     assert seen["error"] is None
     assert seen["replies"] == UNREAD
+
+
+def test_a_grpc_message_larger_than_any_rrpc_sends_is_refused_from_its_header(world):
+    seen = world["oversize"]
+    print("one 300 MiB gRPC message:", seen)
+    assert seen["error"] == "RESOURCE_EXHAUSTED"
+    assert seen["seconds"] < 10
+    assert seen["after"]["rss"] - seen["before"]["rss"] < 100 * MiB  # not held whole
+    assert seen["served after"] == "worker1"
