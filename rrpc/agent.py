@@ -72,6 +72,7 @@ from rrpc.futures import (
     SyncReply,
     mark_transport_thread,
     on_done,
+    outcome,
     settle,
     wait_until,
 )
@@ -91,6 +92,11 @@ from rrpc.pool import WorkerPool
 log = logging.getLogger("rrpc")
 
 Handler = Callable[[Any, WorkerInfo], Any]
+# Sends again of a protocol message that never left (``send_reliably``):
+# torch's agent makes 5, 1 s apart and 1.5x longer each time; these take
+# 3.1 s in all.
+RESENDS = 5
+RESEND_DELAY = 0.1
 # (caller rank, request id, is_reply): names one message, and so one send/recv pair.
 MessageKey = tuple[int, int, bool]
 
@@ -351,6 +357,39 @@ class Agent:
         if connection.closed:  # it broke between lookup and send: fail now, not at the deadline
             self._on_stream_closed(peer, connection, connection.error)
         return future
+
+    def send_reliably(
+        self, peer: WorkerInfo, kind: int, obj: Any, timeout: float, what: str
+    ) -> Future:
+        """``send`` for protocol messages whose loss would leak state (RRef
+        FORK, ACCEPT, DELETE; autograd context releases): one that fails
+        without having left this worker (``faults.InjectedFailure``) is sent
+        again after ``RESEND_DELAY``, doubling each time, up to ``RESENDS``
+        times, as torch's agent retries these. One that may have arrived (its
+        stream broke) is not sent again: the peer would count it twice."""
+        result = Future()
+        context_id = thread_state.autograd_context_id
+
+        def attempt(number: int) -> None:
+            thread_state.autograd_context_id = context_id  # a resend runs on a timer thread
+            try:
+                reply = self.send(peer, kind, obj, timeout, what)
+            except BaseException as exc:
+                answered(number, None, exc)
+                return
+            on_done(reply, lambda done: answered(number, *outcome(done)))
+
+        def answered(number: int, value: Any, error: BaseException | None) -> None:
+            if isinstance(error, faults.InjectedFailure) and number < RESENDS and not self._stopped:
+                timer = threading.Timer(RESEND_DELAY * 2**number, attempt, (number + 1,))
+                timer.name = "rrpc-resend"
+                timer.daemon = True
+                timer.start()
+            else:
+                settle(result, value, error)
+
+        attempt(0)
+        return result
 
     def _encode(
         self,

@@ -451,13 +451,13 @@ def _release_here(context_id: int, told: frozenset[int]) -> list[torch.futures.F
         targets = [peer for rank, peer in context.participants.items() if rank not in told]
     # Everyone told by us, or before us, need not be told again by those we tell.
     told = told | {peer.id for peer in targets} | {agent.info.id}
-    futures = []
+    futures: list[torch.futures.Future] = []
     for peer in targets:
         if peer.id == agent.info.id:
             continue
         try:
             futures.append(
-                agent.send(
+                agent.send_reliably(
                     peer,
                     AUTOGRAD_RELEASE,
                     (context_id, told),

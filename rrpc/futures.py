@@ -252,6 +252,18 @@ def _set(future: Any, value: Any, error: BaseException | None) -> None:
         future.set_result(value)
 
 
+def outcome(future: torch.futures.Future) -> tuple[Any, BaseException | None]:
+    """(value, None) or (None, error) of a done future, without raising: torch's
+    raise puts the future into the error's traceback, and the future holds the
+    error from C++, a cycle the garbage collector cannot see (it would keep
+    every frame of the raising stack alive)."""
+    try:
+        return future.value(), None
+    except BaseException as exc:
+        exc.__traceback__ = None  # the frames of torch's raise, which hold the future
+        return None, exc
+
+
 def on_done(future: torch._C.Future, callback: Callable[[Any], None]) -> None:
     """Register an rrpc-internal callback: it runs where ``future`` completes,
     possibly on a transport thread, so it must never block."""

@@ -78,6 +78,7 @@ from torch.autograd import DeviceType, ProfilerConfig, ProfilerState
 from torch.autograd.profiler_util import MEMORY_EVENT_NAME, EventList, FunctionEvent
 
 from rrpc import agent as agent_module
+from rrpc import futures
 from rrpc.agent import Agent, Deferred
 from rrpc.functions import callable_name
 from rrpc.futures import Future, on_done, settle
@@ -195,14 +196,6 @@ def event_name(func: Any) -> str:
     return torch.jit._builtins._find_builtin(func) or callable_name(func)
 
 
-def _outcome(future: torch.futures.Future) -> tuple[Any, BaseException | None]:
-    try:
-        return future.value(), None
-    except BaseException as exc:
-        exc.__traceback__ = None  # torch's raise frames, which hold the future
-        return None, exc
-
-
 def _unwrap(
     session: _Session | None,
     key: str,
@@ -211,7 +204,7 @@ def _unwrap(
     reply: torch.futures.Future,
 ) -> None:
     """The reply came: a profiled one's events into the session; the event ends."""
-    value, error = _outcome(reply)
+    value, error = futures.outcome(reply)
     if error is None and session is not None:
         events, value, error = _split(key, value)
         if not session.closed:
@@ -246,7 +239,7 @@ def _nested_done(
     """A call a callee made while serving a profiled request: the call itself
     and what its own callee ran go into the callee's session."""
     end = _now_us()
-    value, error = _outcome(reply)
+    value, error = futures.outcome(reply)
     events: list[_Event] = []
     if error is None:
         events, value, error = _split(key, value)
@@ -350,7 +343,7 @@ def _serve_profiled(agent: Agent, kind: int, payload: tuple, caller: WorkerInfo)
 
 
 def _reply_when_done(run: _Run, reply: torch.futures.Future, done: torch.futures.Future) -> None:
-    value, error = _outcome(done)
+    value, error = futures.outcome(done)
     if error is not None:
         reply.set_exception(error)
     else:

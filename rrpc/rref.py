@@ -24,6 +24,9 @@ Rules:
 - Protocol messages have no timeout: the protocol is only correct if each is
   answered. A dead peer fails them at once (the agent notices), and a graceful
   shutdown waits for them (``_Context.drain``).
+- A protocol message known never to have left (fault injection dropped it)
+  is sent again (``Agent.send_reliably``), as torch's agent retries its RRef
+  messages; it counts as in flight until answered.
 - Pickling an RRef is a fork; it happens only inside an rrpc message, where
   ``codec.current_peer()`` names the destination (or, unpickling, the sender).
 - No error is raised out of a torch Future here (``wait()``/``value()`` that
@@ -31,7 +34,7 @@ Rules:
   Future holds the error from C++, invisible to the garbage collector, so the
   cycle never goes and keeps every frame of the raising stack alive (an RRef
   held by any of them would never be deleted). Futures are read with
-  ``_outcome`` (drops that traceback); a value's error is kept as a ``_Failed``
+  ``futures.outcome`` (drops that traceback); a value's error is kept as a ``_Failed``
   result, never with ``set_exception``, and raised as a copy (``_result``).
   Calls read at once (``rpc_sync()`` proxies, most ``to_here()``) wait on an
   agent ``SyncReply`` instead, which raises its own fresh error and keeps none.
@@ -68,7 +71,15 @@ from rrpc.functions import (
     callable_name,
     is_async_execution,
 )
-from rrpc.futures import Future, SyncReply, copy_error, on_done, settle, wait_until
+from rrpc.futures import (
+    Future,
+    SyncReply,
+    copy_error,
+    on_done,
+    outcome,
+    settle,
+    wait_until,
+)
 from rrpc.messages import (
     CALL,
     RREF_ACCEPT,
@@ -204,14 +215,14 @@ class _Context:
         try:
             peer = self.agent.worker_info(send.to)
             what = f"RRef message {kind_name(send.kind)}"
-            future = self.agent.send(peer, send.kind, send.payload, 0, what)
+            future = self.agent.send_reliably(peer, send.kind, send.payload, 0, what)
         except BaseException as exc:
             self._answered(send, exc)
             return
         on_done(future, functools.partial(self._on_reply, send))
 
     def _on_reply(self, send: Send, future: torch.futures.Future) -> None:
-        self._answered(send, _outcome(future)[1])
+        self._answered(send, outcome(future)[1])
 
     def _answered(self, send: Send, error: BaseException | None) -> None:
         if not self.running:
@@ -248,7 +259,7 @@ class _Context:
         """The owner answered our CREATE: the fork is counted, or it never will be."""
         if not self.running:
             return
-        error = _outcome(future)[1]
+        error = outcome(future)[1]
         self._confirmed(fork_id, error)
         if error is not None and not isinstance(error, PeerUnavailableError):
             self.post([Send(RREF_CREATE_FAILED, owner, (rref_id,))])
@@ -429,18 +440,9 @@ def _kept(error: BaseException) -> _Failed:
     return _Failed(error.with_traceback(None))
 
 
-def _outcome(future: torch.futures.Future) -> tuple[Any, BaseException | None]:
-    """(value, None) or (None, error) of a done future; see the rules on why."""
-    try:
-        return future.value(), None
-    except BaseException as exc:
-        exc.__traceback__ = None  # the frames of torch's raise, which hold the future
-        return None, exc
-
-
 def _result(future: torch.futures.Future) -> Any:
     """``future.wait()`` for a done future, raising errors (and _Failed values) as copies."""
-    value, error = _outcome(future)
+    value, error = outcome(future)
     del future  # not in the frame that the raise below puts into the traceback
     if isinstance(value, _Failed):
         error = value.error
@@ -460,7 +462,7 @@ def _sync_result(reply: SyncReply) -> Any:
 
 def _complete(target: torch.futures.Future, source: torch.futures.Future) -> None:
     """Set value future ``target`` from a call's future ``source``."""
-    value, error = _outcome(source)
+    value, error = outcome(source)
     target.set_result(value if error is None else _Failed(error))
 
 
@@ -468,7 +470,7 @@ def _complete_created(
     target: torch.futures.Future, timed_out: BaseException, source: torch.futures.Future
 ) -> None:
     """``_complete`` for remote() to this worker: a timeout is the creation's."""
-    value, error = _outcome(source)
+    value, error = outcome(source)
     if isinstance(error, RpcTimeoutError):
         error = timed_out
     target.set_result(value if error is None else _Failed(error))
@@ -616,7 +618,7 @@ class RRef(Generic[T]):
         if creation is None or self._fork is None:
             return
         if creation.done():
-            error = _outcome(creation)[1]
+            error = outcome(creation)[1]
             if error is not None:
                 raise copy_error(error)
             confirmed_at = self._confirmed_at[0]
@@ -826,7 +828,7 @@ class RRef(Generic[T]):
 
 
 def _cache_type(rref: RRef, future: torch.futures.Future, call: torch.futures.Future) -> None:
-    value, error = _outcome(call)
+    value, error = outcome(call)
     if error is None:
         rref._type = value
     settle(future, value, error)
@@ -853,7 +855,7 @@ def _creation_outcome(
 ) -> None:
     """``_get_future``'s future from remote()'s CREATE answer: its error, a
     timeout if it came after remote()'s deadline, or None."""
-    error = _outcome(creation)[1]
+    error = outcome(creation)[1]
     if error is None and confirmed_at[0] > deadline:
         error = timeout_error
     if error is not None:

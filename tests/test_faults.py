@@ -11,6 +11,7 @@ One world of three workers:
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -228,3 +229,71 @@ def test_failures_are_counted_per_message_name_and_payload_not_per_request_id():
     counts = [injector._count_failure("SCRIPT_CALL", out) for out in same]
     assert counts == [1, 2, 0]
     assert injector._count_failure("SCRIPT_CALL", other) == 1
+
+
+# -- Protocol messages that never left are sent again -----------------------------
+
+# torch's faulty-agent fixture: these four, each failing 3 times before it goes through.
+_PROTOCOL = [
+    "RREF_FORK_REQUEST",
+    "RREF_CHILD_ACCEPT",
+    "RREF_USER_DELETE",
+    "CLEANUP_AUTOGRAD_CONTEXT_REQ",
+]
+
+
+def _add_rref_to_value(rref, value):
+    return rref.to_here() + value
+
+
+def _bookkeeping():
+    autograd = {f"autograd {key}": n for key, n in rrpc.autograd._debug_info().items()}
+    return {**rrpc.rref_debug_info(), **autograd}
+
+
+def _settled(worker):
+    """Poll ``worker`` until its RRef and autograd tables are empty (or 20 s)."""
+    deadline = time.monotonic() + 20
+    pause = threading.Event()
+    while True:
+        seen = rrpc.rpc_sync(worker, _bookkeeping)
+        if not any(seen.values()) or time.monotonic() > deadline:
+            return seen
+        pause.wait(0.05)
+
+
+def _dropped_protocol_world(rank, world_size):
+    options = rrpc.FaultyRpcBackendOptions(messages_to_fail=_PROTOCOL, num_fail_sends=3)
+    rrpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, rpc_backend_options=options)
+    seen = None
+    if rank == 0:
+        start = time.monotonic()
+        # torch's test_check_failed_messages: an RRef on worker1, forked to worker2.
+        rref = rrpc.remote("worker1", torch.add, args=(torch.ones(2, 2), torch.ones(2, 2)))
+        other = rrpc.remote("worker2", _add_rref_to_value, args=(rref, torch.ones(2, 2)))
+        seen = {"value": rref.to_here(), "forked": other.to_here()}
+        with rrpc.autograd.context() as context_id:
+            x = torch.ones(2, requires_grad=True)
+            loss = rrpc.rpc_sync("worker1", torch.mul, args=(x, 2)).sum()
+            rrpc.autograd.backward(context_id, [loss])
+            seen["grad"] = rrpc.autograd.get_gradients(context_id)[x]
+        del rref, other
+        seen["worker1"], seen["worker2"] = _settled("worker1"), _settled("worker2")
+        seen["seconds"] = time.monotonic() - start
+        seen["dropped"] = sorted(rrpc.agent.current_agent().faults._failed.values())
+    rrpc.shutdown()
+    return seen
+
+
+def test_dropped_rref_and_autograd_messages_are_sent_again_and_nothing_leaks():
+    start = time.monotonic()
+    seen = run_workers(_dropped_protocol_world, 3, init=False, timeout=90)[0]
+    print(seen, f"{time.monotonic() - start:.1f} s with start and shutdown")
+    assert torch.equal(seen["value"], torch.full((2, 2), 2.0))
+    assert torch.equal(seen["forked"], torch.full((2, 2), 3.0))
+    assert torch.equal(seen["grad"], torch.full((2,), 2.0))
+    # The owner freed the value, and the autograd context is gone on worker1, as on
+    # torch, whose agent retries these: without resends, worker1 kept both.
+    for worker in ("worker1", "worker2"):
+        assert not any(seen[worker].values()), (worker, seen[worker])
+    assert seen["dropped"] and set(seen["dropped"]) == {3}  # each was dropped 3 times first
