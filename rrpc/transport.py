@@ -756,11 +756,11 @@ class Server:
         binding = auth.Binding(peer_rank, self._rank, self.address, caller_nonce, auth.new_nonce())
         yield codec.handshake_frame(binding.callee_nonce, self._token.proof(auth.CALLEE, binding))
         # A caller that never answers holds this thread no longer than this.
-        expired = threading.Event()
         timeout = SERVER_HANDSHAKE_TIMEOUT
 
         def expire() -> None:
-            expired.set()
+            # Logged before the cancel, which the caller sees at once.
+            self._refuse(context, "refused:timeout", f"no auth handshake within {timeout:g} s")
             context.cancel()
 
         timer = threading.Timer(timeout, expire)
@@ -769,8 +769,6 @@ class Server:
         try:
             first = next(requests)
         except Exception:  # the caller went away (or the timer cancelled the stream)
-            if expired.is_set():
-                self._refuse(context, "refused:timeout", f"no auth handshake within {timeout:g} s")
             return None
         finally:
             timer.cancel()
