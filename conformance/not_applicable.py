@@ -63,7 +63,6 @@ NOT_APPLICABLE: dict[str, str] = {
     "DistAutogradTest.test_trainer_ps_torchscript_functions": "TorchScript: calls or builds @torch.jit.script functions",
     "DistAutogradTest.test_worker_ids_recorded": "torch-internal: torch's C++ autograd context objects (dist_autograd._current_context)",
     "FaultyAgentDistAutogradTest.test_context_cleanup_tensor_with_grad": "torch-internal: torch's C++ autograd context objects (dist_autograd._retrieve_context)",
-    "FaultyAgentRpcTest.test_check_failed_messages": "torch-internal: torch's Python-level agent protocol helpers (_delete_all_user_and_unforked_owner_rrefs). Run with that helper as a no-op, rrpc times out: it does not retry RRef protocol messages whose send failed (torch retries FORK, ACCEPT and DELETE), so the graceful shutdown waits for the lost ones",
     "FaultyAgentRpcTest.test_remote_message_dropped_pickle": "torch-internal: calls RRef._serialize(), the pickling hook of torch's C++ RRef",
     "FaultyAgentRpcTest.test_remote_message_dropped_pickle_to_self": "torch-internal: calls RRef._serialize(), the pickling hook of torch's C++ RRef",
     "FaultyAgentRpcTest.test_remote_message_script_delay_timeout": "TorchScript: calls or builds @torch.jit.script functions",

@@ -22,6 +22,8 @@ Mapped names, torch -> rrpc (everything else in these namespaces is Missing):
   ``BackendType``, ``RpcBackendOptions``, ``TensorPipeRpcBackendOptions``,
   ``functions`` (``rrpc.functions``), ``is_available``, ``get_rpc_timeout``,
   ``_set_rpc_timeout``; ``api._wait_all`` and ``api._thread_local_var``;
+  ``api._delete_all_user_and_unforked_owner_rrefs`` ->
+  ``rrpc.rref.delete_all_user_rrefs`` (``shutdown`` does not go through it);
   ``_rref_context_get_debug_info`` -> ``rrpc.rref_debug_info()`` with torch's
   key names (``num_owner_rrefs``, ``num_forks`` <- ``num_owner_forks``,
   ``num_pending_users`` <- ``num_pending_confirmations + num_pending_forks``;
@@ -251,6 +253,7 @@ def install() -> None:
             **public,
             "_wait_all": rrpc.api._wait_all,
             "_thread_local_var": rrpc.api._thread_local_var,
+            "_delete_all_user_and_unforked_owner_rrefs": rrpc.rref.delete_all_user_rrefs,
         },
     )
     backend_registry = ShimModule(

@@ -53,11 +53,11 @@ carries tensors requiring grad is what torch sends as ``FORWARD_AUTOGRAD_REQ``,
 which its faulty agent cannot target: it is never failed nor delayed here
 either.
 
-Unlike torch, rrpc does not retry its protocol messages (RRef forks,
-accepts, deletes, autograd releases): a failed one is logged and not sent
-again, so the exchange it belonged to never completes (a lost ACCEPT leaves
-its sender's child pending, and a graceful shutdown waits for it). Failing
-those kinds shows what a lost message does; it does not test a retry.
+As torch does, rrpc sends its protocol messages (RRef forks, accepts,
+deletes, autograd releases) again when the injector failed them
+(``Agent.send_reliably``: after 0.1 s, doubling, up to 5 times), so with
+torch's ``num_fail_sends=3`` each goes through on its fourth send. Calls and
+``remote()`` are not sent again: their caller sees the failure.
 """
 
 from __future__ import annotations

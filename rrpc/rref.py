@@ -1122,6 +1122,17 @@ def rref_debug_info() -> dict[str, int]:
     return info
 
 
+def delete_all_user_rrefs(timeout: float = 300.0) -> None:
+    """Let go of every user RRef held on this worker, as if each were dropped,
+    and wait until their owners have counted the deletes (torch's
+    ``_delete_all_user_and_unforked_owner_rrefs``; ``shutdown`` needs no call
+    to it). An RRef object still referenced afterwards must not be used.
+    Raises ``RpcError`` if the owners have not answered within ``timeout``."""
+    ctx = _context()
+    ctx.release_user_forks()
+    ctx.drain(timeout)
+
+
 def owner_forks() -> dict[RRefId, set[ForkId]]:
     """The owner table, for tests and debugging: rref id -> fork ids it counts."""
     ctx = _context()
@@ -1129,4 +1140,4 @@ def owner_forks() -> dict[RRefId, set[ForkId]]:
         return {rref_id: set(entry.forks) for rref_id, entry in ctx.owners.entries.items()}
 
 
-__all__ = ["RRef", "owner_forks", "remote", "rref_debug_info"]
+__all__ = ["RRef", "delete_all_user_rrefs", "owner_forks", "remote", "rref_debug_info"]
