@@ -337,11 +337,14 @@ class Mutator:
         worker would read it, grows pickle's memo (``_grows_the_memo``)."""
         while True:
             frames = [self.frame() for _ in range(count)]
-            reader = codec.FrameReader(LIMIT, _attach)
+            # One at a time, as a worker reads them: the frames before a
+            # broken one are unpickled before the stream ends.
+            read = []
             try:
-                read = reader.feed(b"".join(frames))
+                for frame in codec.FrameReader(LIMIT, _attach).frames_in(b"".join(frames)):
+                    read.append(frame)
             except Exception:
-                read = []
+                pass
             if not any(_grows_the_memo(bytes(frame.payload)) for frame in read):
                 return frames
 
