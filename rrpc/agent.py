@@ -19,10 +19,10 @@ Theory of operation:
   tensors that require grad as they are sent and received.
 
 Where each job lives: the call table in ``calls.py`` (no I/O, unit-tested
-alone), futures and every wait in ``futures.py``, streams and packets in
-``transport.py``, frames in ``codec.py``, the worker pool in ``pool.py``;
-the peer directory in ``peers.py``; here dispatch, connections and the
-deadline thread.
+alone), futures and every wait in ``futures.py``, streams, packets and TLS
+credentials in ``transport.py``, frames and the errors that travel in them in
+``codec.py``, the worker pool in ``pool.py``, the peer directory in
+``peers.py``; here dispatch, connections and the deadline thread.
 
 Threads (ARCHITECTURE.md has the full table, with what each runs). The rule:
 user code (functions, ``then``/``add_done_callback`` callbacks,
@@ -55,14 +55,11 @@ import functools
 import itertools
 import logging
 import math
-import pickle
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from typing import Any, Protocol
 
-import grpc
 import torch
 
 from rrpc import codec, faults, logs, messages, metrics, peers, shm, transport
@@ -80,7 +77,6 @@ from rrpc.messages import (
     ERROR,
     REPLY,
     PeerUnavailableError,
-    RemoteError,
     RpcError,
     RpcTimeoutError,
     WorkerInfo,
@@ -118,44 +114,6 @@ class Deferred:
 
     def __init__(self, future: torch._C.Future):
         self.future = future
-
-
-def remote_exception_payload(exc: BaseException, where: str) -> tuple:
-    """What an ERROR reply carries: the exception if it pickles, and always its text.
-
-    An error that came from another worker and is only passed on (a nested
-    call, a distributed backward's hop) keeps the traceback and the worker of
-    its origin: it is not formatted again at every hop."""
-    origin = getattr(exc, "remote_origin", None)
-    if origin is not None:
-        text, where = exc.remote_traceback, origin  # type: ignore[attr-defined]
-    else:
-        text = "".join(traceback.format_exception(exc))
-    try:
-        blob: bytes | None = pickle.dumps(exc)
-    except Exception:
-        blob = None
-    name = f"{type(exc).__module__}.{type(exc).__qualname__}"
-    return blob, name, str(exc), text, where
-
-
-def rebuild_remote_exception(payload: tuple) -> BaseException:
-    blob, name, message, text, where = payload
-    exc: BaseException | None = None
-    if blob is not None:
-        try:
-            exc = codec.unpickle(blob)  # restricted mode: only safe classes
-        except Exception:
-            exc = None
-    if not isinstance(exc, BaseException):
-        exc = RemoteError(name, message, text)
-    if getattr(exc, "remote_origin", None) is not None:
-        return exc  # passed on by the peer: it has its origin's traceback and note already
-    exc.remote_traceback = text  # type: ignore[attr-defined]
-    exc.remote_origin = where  # type: ignore[attr-defined]
-    if hasattr(exc, "add_note"):  # Python 3.11+
-        exc.add_note(f"\nRemote traceback (on {where}):\n{text.rstrip()}")
-    return exc
 
 
 class _Deadlines:
@@ -226,7 +184,9 @@ class Agent:
         self._stopped = False
         # Set once init_rpc has learned every peer: requests wait for it.
         self.ready = threading.Event()
-        self._server_credentials, self._channel_credentials = _tls_credentials(options)
+        self._server_credentials, self._channel_credentials = transport.tls_credentials(
+            options.tls_cert_file, options.tls_key_file, options.tls_ca_file
+        )
         self._metadata = [("rrpc-rank", str(rank))]
         shm.tune_allocator()
         # Same-host fast path: our slots, which peers on this host may map.
@@ -477,7 +437,7 @@ class Agent:
             settle(pending.future, error=exc)
             return
         if envelope.kind == ERROR:
-            settle(pending.future, error=rebuild_remote_exception(value))
+            settle(pending.future, error=codec.rebuild_remote_exception(value))
         else:
             settle(pending.future, value)
 
@@ -622,7 +582,7 @@ class Agent:
         respond(out.pieces)
 
     def _reply_error(self, exc: BaseException, peer: WorkerInfo, request_id: int, respond, rows):
-        payload = remote_exception_payload(exc, self.info.name)
+        payload = codec.remote_exception_payload(exc, self.info.name)
         out = codec.encode(ERROR, request_id, payload, peer=peer)
         metrics.replied(rows, out.size, out.tensor_bytes, error=True)
         respond(out.pieces)
@@ -688,19 +648,3 @@ def current_agent() -> Agent:
 def set_current_agent(agent: Agent | None) -> None:
     global _current
     _current = agent
-
-
-def _tls_credentials(options: RpcBackendOptions):
-    files = (options.tls_cert_file, options.tls_key_file, options.tls_ca_file)
-    if not any(files):
-        return None, None
-    if not all(files):
-        raise ValueError("TLS needs tls_cert_file, tls_key_file and tls_ca_file together")
-    cert, key, ca = (open(path, "rb").read() for path in files)  # type: ignore[arg-type]
-    server = grpc.ssl_server_credentials(
-        [(key, cert)], root_certificates=ca, require_client_auth=True
-    )
-    channel = grpc.ssl_channel_credentials(
-        root_certificates=ca, private_key=key, certificate_chain=cert
-    )
-    return server, channel

@@ -59,6 +59,7 @@ import pickletools
 import struct
 import sys
 import threading
+import traceback
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -69,7 +70,13 @@ import numpy as np
 import torch
 
 from rrpc._proto.rrpc_pb2 import Envelope, Handshake, SharedBuffer
-from rrpc.messages import HANDSHAKE, MessageTooLargeError, RpcError, SerializationError
+from rrpc.messages import (
+    HANDSHAKE,
+    MessageTooLargeError,
+    RemoteError,
+    RpcError,
+    SerializationError,
+)
 from rrpc.shm import Placer
 
 HEADER = struct.Struct("<I")
@@ -1037,6 +1044,45 @@ def packets(pieces: Iterator[Any], packet_size: int) -> Iterator[bytes]:
                 batch, batched = [], 0
     if batch:
         yield b"".join(batch)
+
+
+# -- Errors that travel ---------------------------------------------------------
+def remote_exception_payload(exc: BaseException, where: str) -> tuple:
+    """What an ERROR reply carries: the exception if it pickles, and always its text.
+
+    An error that came from another worker and is only passed on (a nested
+    call, a distributed backward's hop) keeps the traceback and the worker of
+    its origin: it is not formatted again at every hop."""
+    origin = getattr(exc, "remote_origin", None)
+    if origin is not None:
+        text, where = exc.remote_traceback, origin  # type: ignore[attr-defined]
+    else:
+        text = "".join(traceback.format_exception(exc))
+    try:
+        blob: bytes | None = pickle.dumps(exc)
+    except Exception:
+        blob = None
+    name = f"{type(exc).__module__}.{type(exc).__qualname__}"
+    return blob, name, str(exc), text, where
+
+
+def rebuild_remote_exception(payload: tuple) -> BaseException:
+    blob, name, message, text, where = payload
+    exc: BaseException | None = None
+    if blob is not None:
+        try:
+            exc = unpickle(blob)  # restricted mode: only safe classes
+        except Exception:
+            exc = None
+    if not isinstance(exc, BaseException):
+        exc = RemoteError(name, message, text)
+    if getattr(exc, "remote_origin", None) is not None:
+        return exc  # passed on by the peer: it has its origin's traceback and note already
+    exc.remote_traceback = text  # type: ignore[attr-defined]
+    exc.remote_origin = where  # type: ignore[attr-defined]
+    if hasattr(exc, "add_note"):  # Python 3.11+
+        exc.add_note(f"\nRemote traceback (on {where}):\n{text.rstrip()}")
+    return exc
 
 
 # -- The auth handshake ----------------------------------------------------------

@@ -798,3 +798,23 @@ class Server:
         for outbox in list(self._outboxes):
             outbox.end()
         self._server.stop(grace).wait(grace)
+
+
+def tls_credentials(
+    cert_file: str | None, key_file: str | None, ca_file: str | None
+) -> tuple[grpc.ServerCredentials | None, grpc.ChannelCredentials | None]:
+    """Server and channel credentials for TLS with client certificates (both
+    sides present a certificate signed by ``ca_file``); (None, None) without."""
+    files = (cert_file, key_file, ca_file)
+    if not any(files):
+        return None, None
+    if not all(files):
+        raise ValueError("TLS needs tls_cert_file, tls_key_file and tls_ca_file together")
+    cert, key, ca = (open(path, "rb").read() for path in files)  # type: ignore[arg-type]
+    server = grpc.ssl_server_credentials(
+        [(key, cert)], root_certificates=ca, require_client_auth=True
+    )
+    channel = grpc.ssl_channel_credentials(
+        root_certificates=ca, private_key=key, certificate_chain=cert
+    )
+    return server, channel
