@@ -28,7 +28,7 @@ def test_a_killed_trainer_is_restarted_rejoins_and_training_ends_as_without_fail
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-4000:]
     metrics = json.loads((tmp_path / "metrics.json").read_text())
-    assert metrics["killed_at_step"] == 10
+    assert metrics["killed_at_step"] == 10, run.stdout[-4000:]
     # torchrun restarted both local trainers; each rejoined under its name.
     rejoined = sorted(r["worker"] for r in metrics["restarts"])
     assert rejoined == ["trainer0", "trainer1"], run.stdout[-4000:]

@@ -67,6 +67,7 @@ from common import free_port, summary, write_metrics  # noqa: E402
 import rrpc  # noqa: E402
 
 LEASE = 30.0  # seconds a trainer may hold a shard before it goes to another
+KILL_WAIT = 60.0  # seconds the kill step waits for trainer0 to show up
 
 
 def load_data(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -167,6 +168,8 @@ class Server:
         self.restarts: list[dict] = []
         self.kill_at = args.kill_trainer_at_step
         self.killed_at: float | None = None
+        self.kill_waiting_since: float | None = None
+        self.killed_at_step: int | None = None
         self.started = time.perf_counter()
 
     def next_work(self, name: str, pid: int) -> tuple | None:
@@ -180,11 +183,15 @@ class Server:
                         del self.leases[shard]
                 self.pids[name] = pid
             while True:
+                self.kill_if_due()
                 if self.pids.get(name) != pid:
                     return None  # this call came from a process that was replaced
                 if self.step == len(self.steps):
                     return None
                 now = time.monotonic()
+                if self.waiting_for_trainer0(now):
+                    self.cond.wait(1.0)
+                    continue
                 for shard, (_, _, since) in list(self.leases.items()):
                     if now - since > LEASE:
                         del self.leases[shard]
@@ -202,7 +209,6 @@ class Server:
                 self.cond.wait(1.0)
 
     def submit(self, name: str, pid: int, step: int, shard: int, grad: list) -> None:
-        kill = None
         with self.cond:
             if step != self.step or shard in self.grads or self.pids.get(name) != pid:
                 return  # late: another trainer computed it already
@@ -215,19 +221,33 @@ class Server:
             self.step += 1
             if self.step % self.args.steps_per_epoch == 0 or self.step == len(self.steps):
                 self.record_epoch()
-            # At kill_at, or at the first step after it once trainer0 has shown up
-            # (the other trainer may do the first steps alone).
-            if (
-                self.kill_at
-                and self.killed_at is None
-                and self.step >= self.kill_at
-                and ("trainer0" in self.pids)
-            ):
-                kill, self.killed_at = self.pids["trainer0"], time.monotonic()
+            self.kill_if_due()
             self.cond.notify_all()
-        if kill is not None:
-            print(f"step {self.step}: killing trainer0 (pid {kill}) with SIGKILL", flush=True)
-            os.kill(kill, signal.SIGKILL)
+
+    def waiting_for_trainer0(self, now: float) -> bool:
+        """Whether the kill step holds work back until trainer0 shows up: the
+        other trainer may start first and, on a busy machine, would otherwise
+        run every step alone before trainer0 asks for one (under ``cond``)."""
+        if not self.kill_at or self.killed_at is not None or self.step < self.kill_at:
+            return False
+        if "trainer0" in self.pids:
+            return False
+        if self.kill_waiting_since is None:
+            self.kill_waiting_since = now
+            print(f"step {self.step}: waiting for trainer0 to kill it", flush=True)
+        return now - self.kill_waiting_since < KILL_WAIT
+
+    def kill_if_due(self) -> None:
+        """SIGKILL trainer0, once: at the kill step, or as soon as it shows up
+        after it (under ``cond``)."""
+        if not self.kill_at or self.killed_at is not None or self.step < self.kill_at:
+            return
+        pid = self.pids.get("trainer0")
+        if pid is None:
+            return
+        self.killed_at, self.killed_at_step = time.monotonic(), self.step
+        print(f"step {self.step}: killing trainer0 (pid {pid}) with SIGKILL", flush=True)
+        os.kill(pid, signal.SIGKILL)
 
     def record_epoch(self) -> None:
         epoch = len(self.history) + 1
@@ -350,7 +370,7 @@ def report(server: Server, args: argparse.Namespace) -> int:
         "final_test_accuracy": final,
         "reference_test_accuracy": expected_accuracy,
         "same_parameters_as_reference": same,
-        "killed_at_step": args.kill_trainer_at_step,
+        "killed_at_step": server.killed_at_step,
         "restarts": server.restarts,
         "history": server.history,
     }
