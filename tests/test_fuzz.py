@@ -25,7 +25,9 @@ from the run's seed and the stream's index, so a failure names both.
 
 from __future__ import annotations
 
+import io
 import os
+import pickle
 import pickletools
 import queue
 import random
@@ -165,18 +167,34 @@ _MEMO_PUTS = {"PUT", "BINPUT", "LONG_BINPUT"}
 
 
 def _grows_the_memo(payload: bytes) -> bool:
-    """Whether unpickling ``payload`` stores into a memo slot far beyond its
+    """Whether unpickling ``payload`` may store into a memo slot far beyond its
     size. CPython's C unpickler (3.11 here) sizes its memo for the largest
     index named, and zeroes it holding the GIL: 9 bytes naming index 0x28949394
     cost 10.6 GB and 14 s. rrpc's protocol-5 pickles never use these opcodes
     (they MEMOIZE); it is a property of pickle under the trust model, not of
-    rrpc's framing, so the fuzzer does not produce it (see the module's doc)."""
-    try:
-        for opcode, argument, _ in pickletools.genops(payload):
-            if opcode.name in _MEMO_PUTS and int(argument) > 1 << 16:
-                return True
-    except Exception:
-        pass
+    rrpc's framing, so the fuzzer does not produce it (see the module's doc).
+
+    Opcodes are read as pickletools reads them, except that a newline-ended
+    argument pickletools refuses does not end the walk: the C unpickler is
+    more lenient there (INT goes through strtol, so ``I\\x00...\\n`` reads as 0
+    and unpickling goes on; with seed 3673283656 the bytes after it spelled
+    LONG_BINPUT 778269810 and held a worker's GIL for 27 s)."""
+    stream = io.BytesIO(payload)
+    while code := stream.read(1):
+        opcode = pickletools.code2op.get(code.decode("latin-1"))
+        if opcode is None or opcode.name == "STOP":
+            return False  # where the C unpickler stops too
+        if opcode.arg is None:
+            continue
+        start = stream.tell()
+        try:
+            argument = opcode.arg.reader(stream)
+        except Exception:
+            if stream.tell() > start and payload[stream.tell() - 1 : stream.tell()] == b"\n":
+                continue  # a refused text argument: carry on after its line
+            return False
+        if opcode.name in _MEMO_PUTS and int(argument) > 1 << 16:
+            return True
     return False
 
 
@@ -420,6 +438,16 @@ def _fuzz_reader(seed: int, streams: int) -> dict:
                 f"(RRPC_FUZZ_SEED={seed}); frames: {frames!r}"
             ) from exc
     return counts
+
+
+def test_the_memo_filter_reads_on_where_the_c_unpickler_does():
+    # The C unpickler reads INT with strtol: "\\x00x" is 0 and it goes on.
+    assert pickle.loads(b"I\x00x\nK\x05.") == 5
+    # So a LONG_BINPUT after such an INT sizes its memo: the filter must see it.
+    assert _grows_the_memo(b"I\x00x\nr\x00\x00\x00\x10.")
+    assert not _grows_the_memo(b"I\x00x\nr\x00\x01\x00\x00.")  # 256 slots
+    assert not _grows_the_memo(b"\x01r\x00\x00\x00\x10.")  # invalid key: it stops there
+    assert not _grows_the_memo(pickle.dumps([1, 2], protocol=5))
 
 
 def test_the_frame_reader_survives_mutated_frames_cut_anywhere():
