@@ -29,10 +29,10 @@ from rrpc.messages import (
     WorkerInfo,
 )
 from rrpc.options import RpcBackendOptions, TensorPipeRpcBackendOptions
-from rrpc.profiling import (  # torch's private name, for code that uses it
+from rrpc.rref import RRef, remote, rref_debug_info
+from rrpc.torch_profiler import (  # torch's private name, for code that uses it
     _server_process_global_profile as _server_process_global_profile,
 )
-from rrpc.rref import RRef, remote, rref_debug_info
 
 __all__ = [
     "AuthenticationError",

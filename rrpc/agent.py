@@ -2,27 +2,34 @@
 
 Theory of operation:
 
-- ``send(peer, kind, obj, timeout)`` encodes the message, opens a call in the
-  call table (``calls.CallTable``: request id -> future, peer, deadline,
-  stream) and queues the frame on the one stream this worker keeps to
-  ``peer``. The stream's receive thread completes the future when the REPLY
+- ``send(peer, kind, obj, timeout, what)`` passes the request through the
+  send layers (``add_send_layer``: profiling's RPC events), then encodes
+  it, opens a call in the call table (``calls.CallTable``: request id ->
+  future, peer, deadline, stream) and queues the frame on the one stream
+  this worker keeps to ``peer``. The stream's receive thread completes the future when the REPLY
   or ERROR with that id comes back.
 - A request frame arriving on the server is decoded and run on the worker
   pool by the handler registered for its kind; the handler's result (or a
   ``Deferred`` future's, for ``async_execution``) goes back as one reply.
 - Exactly one of three things ends a call, whichever takes it from the table
-  first: its reply, its deadline (one thread sleeps until the earliest
-  deadline), or the stream it went out on breaking. Taking is atomic, so a
+  first: its reply, its deadline (``calls.Deadlines``: one entry on the
+  run's scheduler, at the earliest deadline), or the stream it went out on
+  breaking. Taking is atomic, so a
   late reply is dropped. The table decides; the agent completes.
-- Upper layers plug in without the agent importing them: protocol kinds
-  register handlers; distributed autograd sets ``autograd_hooks`` to see
-  tensors that require grad as they are sent and received.
+- Upper layers plug in without the agent importing them: ``init_rpc``
+  builds the run's services (``rrpc/worker.py``), which register handlers
+  for their kinds and layers on the send path; distributed autograd sets
+  ``autograd_hooks`` to see tensors that require grad as they are sent and
+  received. The agent holds the services (``rrefs``, ``autograd``, ...):
+  one run, one owner.
 
 Where each job lives: the call table in ``calls.py`` (no I/O, unit-tested
 alone), futures and every wait in ``futures.py``, streams, packets and TLS
-credentials in ``transport.py``, frames and the errors that travel in them in
-``codec.py``, the worker pool in ``pool.py``, the peer directory in
-``peers.py``; here dispatch, connections and the deadline thread.
+credentials in ``transport.py``, frames in ``wire.py``, their payloads and the
+errors that travel in them in ``codec.py``, what restricted mode unpickles in
+``restricted.py``, the worker pool in ``pool.py``, the peer directory in
+``peers.py``, timed work (deadlines, resends, handshake limits, delays) on
+``scheduler.py``'s one thread; here dispatch and connections.
 
 Threads (ARCHITECTURE.md has the full table, with what each runs). The rule:
 user code (functions, ``then``/``add_done_callback`` callbacks,
@@ -41,7 +48,8 @@ gRPC request iterator      the outbox, flow control     anything but packing
 ``rrpc-<name>-<i>`` (pool) anything (a wait for an RPC  -
                            gives its permit back)
 ``rrpc-callback-<n>``      anything                     -
-``rrpc-deadlines``         its condition variable       user code
+``rrpc-scheduler``         nothing (short callbacks)    user code, anything that
+                                                        blocks
 ``rrpc-rref-<name>``       its event queue              user code
 =========================  ===========================  ==========================
 
@@ -54,7 +62,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import math
+import pickle
 import threading
 import time
 from collections.abc import Callable
@@ -62,12 +70,25 @@ from typing import Any, Protocol
 
 import torch
 
-from rrpc import codec, faults, logs, messages, metrics, peers, shm, transport
-from rrpc.calls import Call, CallTable
+from rrpc import (
+    auth,
+    codec,
+    faults,
+    lane,
+    lane_listener,
+    logs,
+    messages,
+    metrics,
+    peers,
+    restricted,
+    shm,
+    transport,
+    wire,
+)
+from rrpc.calls import Call, CallTable, Deadlines
 from rrpc.futures import (
     Future,
     SyncReply,
-    mark_transport_thread,
     on_done,
     outcome,
     settle,
@@ -76,6 +97,7 @@ from rrpc.futures import (
 from rrpc.messages import (
     ERROR,
     REPLY,
+    MessageKey,
     PeerUnavailableError,
     RpcError,
     RpcTimeoutError,
@@ -84,8 +106,14 @@ from rrpc.messages import (
 )
 from rrpc.options import UNSET_RPC_TIMEOUT, RpcBackendOptions
 from rrpc.pool import WorkerPool
+from rrpc.rendezvous import Rendezvous
+from rrpc.scheduler import Scheduler
+from rrpc.streams import CLOSED
 
 log = logging.getLogger("rrpc")
+# A request that raised here, logged as torch's callee prints it: operators
+# read the callee's log. Its own logger, so that a user can silence it alone.
+request_errors_log = logging.getLogger("rrpc.request_errors")
 
 Handler = Callable[[Any, WorkerInfo], Any]
 # Sends again of a protocol message that never left (``send_reliably``):
@@ -93,8 +121,29 @@ Handler = Callable[[Any, WorkerInfo], Any]
 # 3.1 s in all.
 RESENDS = 5
 RESEND_DELAY = 0.1
-# (caller rank, request id, is_reply): names one message, and so one send/recv pair.
-MessageKey = tuple[int, int, bool]
+# The liveness probe (``all_unreachable``) calls ``int()`` on peers, restricted or not.
+restricted.allow_call(int)
+
+
+class Send(Protocol):
+    """What sends a request (``Agent.send``); see ``Agent._send`` for the arguments."""
+
+    def __call__(
+        self,
+        peer: WorkerInfo,
+        kind: int,
+        obj: Any,
+        timeout: float,
+        what: str,
+        sync: bool = False,
+        mode: str | None = None,
+    ) -> Any: ...
+
+
+# A send layer (``Agent.add_send_layer``), as a WSGI middleware: ``layer(send)``
+# returns the function to call instead of ``send`` (the rest of the path), which
+# hands each request on to ``send``, changed or as it is.
+SendLayer = Callable[[Send], Send]
 
 
 class AutogradHooks(Protocol):
@@ -116,63 +165,18 @@ class Deferred:
         self.future = future
 
 
-class _Deadlines:
-    """One thread that fails the calls whose deadline passed.
-
-    It sleeps until the earliest deadline it knows; ``watch`` wakes it only
-    when a new deadline is earlier than that (the call table says when:
-    timeouts are mostly equal, so rarely).
-    """
-
-    def __init__(self, calls: CallTable, expire: Callable[[Call], None]):
-        self._calls = calls
-        self._expire = expire
-        self._cond = threading.Condition()
-        self._next = math.inf
-        self._stopped = False
-        self._thread = threading.Thread(target=self._run, name="rrpc-deadlines", daemon=True)
-        self._thread.start()
-
-    def watch(self, deadline: float) -> None:
-        if deadline < self._next:
-            with self._cond:
-                if deadline < self._next:
-                    self._next = deadline
-                    self._cond.notify()
-
-    def _run(self) -> None:
-        mark_transport_thread()
-        while True:
-            with self._cond:
-                now = time.monotonic()
-                while not self._stopped and self._next > now:
-                    self._cond.wait(None if self._next == math.inf else self._next - now)
-                    now = time.monotonic()
-                if self._stopped:
-                    return
-                self._next = math.inf  # a watch() during the scan below must notify
-            expired = self._calls.expired(now)
-            self.watch(self._calls.earliest())
-            for call in expired:
-                self._expire(call)
-
-    def stop(self) -> None:
-        with self._cond:
-            self._stopped = True
-            self._cond.notify()
-        self._thread.join(5.0)
-
-
 class Agent:
     """This process's RPC endpoint. Created by ``init_rpc``; see the module doc."""
 
     def __init__(self, name: str, rank: int, host: str, options: RpcBackendOptions):
         self.info = WorkerInfo(name, rank)
         self.options = options
+        # Restricted mode is chosen per run, here: how every message is unpickled
+        # (the CALL handler and RRef proxies check options.restricted too).
+        self.unpickle = restricted.loads if options.restricted else pickle.loads
         self.handlers: dict[int, Handler] = {}
         self.autograd_hooks: AutogradHooks | None = None
         self.metrics = metrics.Metrics()  # calls, errors, bytes, latency: by peer, by function
-        self.stats = self.metrics.peers  # the rows by peer name
         # Dynamic membership: how many times this rank joined before (rrpc/membership.py).
         self.incarnation = 0
         self.calls = CallTable()  # the calls this worker sent and awaits
@@ -191,23 +195,53 @@ class Agent:
         shm.tune_allocator()
         # Same-host fast path: our slots, which peers on this host may map.
         self.shm_pool = shm.SenderPool() if options.shared_memory else None
-        self.peers = peers.Directory(self.shm_pool)  # who the others are (peers.py)
+        # Who the others are (peers.py), and which of them share this host's lanes.
+        self.peers = peers.Directory(
+            self.shm_pool, lane.lane_key() if options.same_host_lane else ""
+        )
         self._pool = WorkerPool(options.num_worker_threads, f"rrpc-{name}")
-        self.faults = faults.injector(options)  # None unless FaultyRpcBackendOptions
-        self._deadlines = _Deadlines(self.calls, self._expire)
+        # Timed work of this run (deadlines, resends, delays): short callbacks only.
+        self.scheduler = Scheduler()
+        # None unless FaultyRpcBackendOptions.
+        self.faults = faults.injector(options, self.scheduler)
+        self._deadlines = Deadlines(self.calls, self.scheduler, self._expire)
+        # Every request passes through these on its way out (``add_send_layer``),
+        # outermost first; ``send`` is them wrapped around ``_send``.
+        self.send_layers: list[SendLayer] = []
+        self.send: Send = self._send
+        # This run's services, built, started and stopped by init_rpc and
+        # shutdown (``rrpc/worker.py``); None before. Each lives in a layer above
+        # this one, whose public functions find it here (``current_agent()``).
+        self.rrefs: Any = None  # the RRef protocol's driver (rref_service.RRefService)
+        self.autograd: Any = None  # distributed autograd's contexts (autograd.Autograd)
+        self.profiling: Any = None  # RPCs in torch's profilers (profiling.Profiling)
+        self.group: Any = None  # a dynamic group's membership, while joined (membership.Group)
+        self.exporter: metrics.Exporter | None = None  # the Prometheus endpoint (metrics_port)
+        self.rendezvous: Rendezvous | None = None  # how this run's workers found each other
         self.server = transport.Server(
             host,
             self._on_request,
             options.auth_token,
             options.chunk_size,
             options.max_message_size,
-            self._server_credentials,
+            scheduler=self.scheduler,
+            credentials=self._server_credentials,
             attach=self._attach_from,
             batch_delay=options.batch_delay,
             batch_min_open=options.batch_min_open,
             rank=rank,
         )
         self.address = self.server.address
+        # The same-host lane (lane.py): our socket, which callers on this host
+        # dial, and our lanes to the peers on this host that have one.
+        self.lane_listener: lane_listener.Listener | None = None
+        self.lanes: lane.Lanes | None = None
+        if options.same_host_lane:
+            token = auth.Token(options.auth_token) if options.auth_token else None
+            self.lane_listener = lane_listener.Listener(
+                rank, self._on_request, token, self._frame_reader, self.server.admission.of
+            )
+            self.lanes = lane.Lanes(rank, token, self._new_lane)
 
     def advertisement(self) -> dict[str, Any]:
         """What peers need to know of this worker besides its address."""
@@ -217,7 +251,14 @@ class Agent:
             "probe": pool.probe.name if pool is not None else "",
             "shm_key": pool.key.hex() if pool is not None else "",
             "main": codec.main_fingerprint(),
+            "lane": self.lane_listener.path if self.lane_listener is not None else "",
+            "lane_key": lane.lane_key() if self.lane_listener is not None else "",
         }
+
+    def _frame_reader(self, rank: int) -> wire.FrameReader:
+        """Cuts the frames peer ``rank`` sends on a lane, with a stream's limits."""
+        attach = functools.partial(self._attach_from, rank)
+        return wire.FrameReader(self.options.max_message_size, attach)
 
     def _attach_from(self, rank: int, shared: Any) -> torch.Tensor:
         """A tensor over a shared-memory slot that peer ``rank`` sent on its
@@ -292,11 +333,34 @@ class Agent:
         return self._pool.queued()
 
     # -- Sending ---------------------------------------------------------------
-    def send(
-        self, peer: WorkerInfo, kind: int, obj: Any, timeout: float, what: str, sync: bool = False
+    def add_send_layer(self, layer: SendLayer) -> None:
+        """Pass every request this worker sends through ``layer`` (profiling's
+        RPC events, ``rrpc/profiling.py``), outside the layers added before it.
+        A layer sees each request before it is encoded and may change it, or
+        hand it on as it is: a request no layer wants costs each one a call
+        and its own check."""
+        self.send_layers.insert(0, layer)
+        self.send = layer(self.send)
+
+    def _send(
+        self,
+        peer: WorkerInfo,
+        kind: int,
+        obj: Any,
+        timeout: float,
+        what: str,
+        sync: bool = False,
+        mode: str | None = None,
     ) -> Any:
-        """Send a request; returns a ``torch.futures.Future`` of its reply
-        (with ``sync``, a ``SyncReply`` for a caller that blocks at once)."""
+        """Send a request (``Agent.send``, after the send layers); returns a
+        ``torch.futures.Future`` of its reply (with ``sync``, a ``SyncReply``
+        for a caller that blocks at once).
+
+        ``what`` describes it in errors ("call of f"); ``mode`` is torch's
+        ``RPCExecMode`` of a user's call ("sync", "async", "remote": what the
+        profiler names its event by), None for rrpc's own messages. Metrics
+        count it as it goes; fault injection, when on, fails or delays its
+        frames (``rrpc/faults.py``: it needs them encoded, and the call open)."""
         if self._stopped:
             raise RpcError(f"{what} to {peer.name}: rrpc on {self.info.name} is shut down")
         context_id = thread_state.autograd_context_id
@@ -304,8 +368,12 @@ class Agent:
         out = self._encode(
             kind, request_id, obj, peer, context_id, (self.info.id, request_id, False)
         )
-        connection = self._connection(peer)
-        future: SyncReply | Future = SyncReply() if sync else Future()
+        route = self._lane(peer)
+        connection = route or self._connection(peer)
+        if sync:  # on a lane, the caller reads its own reply while nobody else reads
+            future: SyncReply | Future = SyncReply(route.lead if route is not None else None)
+        else:
+            future = Future()
         now = time.monotonic()
         rows = self.metrics.sent(peer.name, kind, obj, out.size, out.tensor_bytes)
         if self.calls.open(request_id, future, peer, what, timeout, now, connection, rows):
@@ -314,8 +382,10 @@ class Agent:
             connection.send(out.pieces)
         else:  # fault injection (rrpc/faults.py): fail it, delay it, or send it
             self.faults.send(peer, kind, obj, what, out, connection.send, self.calls, request_id)
-        if connection.closed:  # it broke between lookup and send: fail now, not at the deadline
-            self._on_stream_closed(peer, connection, connection.error)
+        if connection.stream.state is CLOSED:  # it broke between lookup and send: fail now
+            self._on_stream_closed(peer, connection, connection.stream.error)
+        elif route is not None and not sync:
+            route.need_reader()
         return future
 
     def send_reliably(
@@ -331,20 +401,22 @@ class Agent:
         context_id = thread_state.autograd_context_id
 
         def attempt(number: int) -> None:
-            thread_state.autograd_context_id = context_id  # a resend runs on a timer thread
+            # A resend runs on the scheduler's thread: in the sender's context,
+            # for this send only.
+            previous = thread_state.autograd_context_id
+            thread_state.autograd_context_id = context_id
             try:
                 reply = self.send(peer, kind, obj, timeout, what)
             except BaseException as exc:
                 answered(number, None, exc)
                 return
+            finally:
+                thread_state.autograd_context_id = previous
             on_done(reply, lambda done: answered(number, *outcome(done)))
 
         def answered(number: int, value: Any, error: BaseException | None) -> None:
             if isinstance(error, faults.InjectedFailure) and number < RESENDS and not self._stopped:
-                timer = threading.Timer(RESEND_DELAY * 2**number, attempt, (number + 1,))
-                timer.name = "rrpc-resend"
-                timer.daemon = True
-                timer.start()
+                self.scheduler.call_later(RESEND_DELAY * 2**number, attempt, number + 1)
             else:
                 settle(result, value, error)
 
@@ -359,7 +431,7 @@ class Agent:
         peer: WorkerInfo,
         context_id: int,
         key: MessageKey,
-    ) -> codec.Outgoing:
+    ) -> wire.Outgoing:
         """One message (request or reply) for ``peer``, its tensors that require
         grad shown to distributed autograd under ``key``."""
         entry = self.peers.known(peer.id)
@@ -400,6 +472,7 @@ class Agent:
                     packet_size=self.options.chunk_size,
                     max_message_size=self.options.max_message_size,
                     peer_name=peer.name,
+                    scheduler=self.scheduler,
                     credentials=self._channel_credentials,
                     attach=functools.partial(self._attach_from, peer.id),
                     batch_delay=self.options.batch_delay,
@@ -412,14 +485,40 @@ class Agent:
                 self._opened.append(connection)
         return connection
 
-    def _on_reply(self, peer: WorkerInfo, frame: codec.Frame) -> None:
+    def _lane(self, peer: WorkerInfo) -> lane.Lane | None:
+        """The lane to ``peer``, if it shares this host and one is (or can be) open."""
+        lanes = self.lanes
+        if lanes is None:
+            return None
+        found = lanes.open.get(peer.id)
+        if found is not None:
+            return found
+        entry = self.peers.known(peer.id)
+        return lanes.to(peer, entry.lane_path) if entry is not None and entry.lane_path else None
+
+    def lane_to(self, peer: WorkerInfo) -> lane.Lane | None:
+        """The lane open to ``peer`` now, if any (for tests and stats)."""
+        return self.lanes.open.get(peer.id) if self.lanes is not None else None
+
+    def _new_lane(self, sock: Any, peer: WorkerInfo) -> lane.Lane:
+        return lane.Lane(
+            sock,
+            peer.name,
+            on_frame=functools.partial(self._on_reply, peer),
+            on_close=functools.partial(self._on_stream_closed, peer),
+            reader=self._frame_reader(peer.id),
+            peer_timeout=self.options.peer_timeout,
+        )
+
+    def _on_reply(self, peer: WorkerInfo, frame: wire.Frame) -> bool:
+        """Settle the call ``frame`` answers; False if it had ended already."""
         envelope = frame.envelope
         pending = self.calls.settle(envelope.request_id)
         tensor_bytes = frame.tensor_bytes()
         size = len(frame.payload) + tensor_bytes
         if pending is None:
             metrics.late(self.peer_stats(peer), size, tensor_bytes)
-            return  # timed out or failed already
+            return False  # timed out or failed already
         if self.suspects:
             self.suspects.discard(peer.id)
         latency = time.monotonic() - pending.started
@@ -430,18 +529,21 @@ class Agent:
             key = (self.info.id, envelope.request_id, True)
             hook = self.autograd_hooks.tensor_hook(context_id, peer, key)
         try:
-            value = codec.loads(frame, peer, hook)
+            value = codec.loads(frame, peer, hook, self.unpickle)
         except Exception as exc:
             if envelope.kind != ERROR:
                 metrics.undecodable(pending.rows)
             settle(pending.future, error=exc)
-            return
+            return True
         if envelope.kind == ERROR:
-            settle(pending.future, error=codec.rebuild_remote_exception(value))
+            settle(pending.future, error=codec.rebuild_remote_exception(value, self.unpickle))
         else:
             settle(pending.future, value)
+        return True
 
     def _expire(self, call: Call) -> None:
+        if isinstance(call.stream, lane.Lane):
+            call.stream.ended()
         metrics.ended(call.rows, timed_out=True)
         settle(
             call.future,
@@ -451,9 +553,16 @@ class Agent:
             ),
         )
 
-    def _on_stream_closed(
-        self, peer: WorkerInfo, connection: transport.Connection, error: BaseException | None
-    ) -> None:
+    def _on_stream_closed(self, peer: WorkerInfo, connection: Any, error: BaseException | None):
+        """A gRPC stream or a lane to ``peer`` ended: the calls on it fail."""
+        if isinstance(connection, lane.Lane):
+            assert self.lanes is not None
+            self.lanes.forget(peer.id, connection)
+            connection.release()
+            self._fail_calls_on(peer, connection, error)
+            return
+        if error is not None and self.lanes is not None:
+            self.lanes.break_to(peer.id, error)  # keepalive: the peer stopped answering
         with self._connect_lock:
             if self._connections.get(peer.id) is connection:
                 del self._connections[peer.id]  # the next call reconnects (or fails fast)
@@ -473,6 +582,9 @@ class Agent:
         # Close its channel now: an open channel left to the garbage collector
         # can hang the interpreter's exit in gRPC's finalizer.
         connection.release()
+        self._fail_calls_on(peer, connection, error)
+
+    def _fail_calls_on(self, peer: WorkerInfo, connection: Any, error: BaseException | None):
         if self._stopped:  # our own shutdown ended the stream: say so, not "peer unreachable"
             reason: BaseException = RpcError(f"rrpc on {self.info.name} shut down")
         else:
@@ -485,7 +597,7 @@ class Agent:
     def register(self, kind: int, handler: Handler) -> None:
         self.handlers[kind] = handler
 
-    def _on_request(self, frame: codec.Frame, peer_rank: int, respond, inline: bool) -> None:
+    def _on_request(self, frame: wire.Frame, peer_rank: int, respond, inline: bool) -> None:
         if not self.ready.is_set():
             # A peer that finished init_rpc first may call before this worker
             # knows every peer and is current: its functions would not find them.
@@ -497,7 +609,7 @@ class Agent:
         if not (inline and self._pool.run_inline(self._serve, frame, peer, respond)):
             self._pool.submit(self._serve, frame, peer, respond)
 
-    def _serve(self, frame: codec.Frame, peer: WorkerInfo, respond) -> None:
+    def _serve(self, frame: wire.Frame, peer: WorkerInfo, respond) -> None:
         envelope = frame.envelope
         context_id = envelope.autograd_context_id
         tensor_bytes = frame.tensor_bytes()
@@ -512,7 +624,7 @@ class Agent:
             if context_id and self.autograd_hooks is not None:
                 key = (peer.id, envelope.request_id, False)
                 hook = self.autograd_hooks.tensor_hook(context_id, peer, key)
-            request, waits = codec.loads_waiting(frame, peer, hook)
+            request, waits = codec.loads_waiting(frame, peer, hook, self.unpickle)
         except BaseException as exc:
             rows = self.metrics.served(peer.name, envelope.kind, None, size, tensor_bytes)
             self._reply_error(exc, peer, envelope.request_id, respond, rows)
@@ -583,6 +695,17 @@ class Agent:
 
     def _reply_error(self, exc: BaseException, peer: WorkerInfo, request_id: int, respond, rows):
         payload = codec.remote_exception_payload(exc, self.info.name)
+        if getattr(exc, "remote_origin", None) is None:  # raised here, not passed on
+            _, type_name, _, text, _ = payload
+            logs.event(
+                "request-failed",
+                f"{peer.name}/{type_name}",  # once per caller and error type per interval
+                "%s: a request from %s raised (the caller gets it):\n%s",
+                self.info.name,
+                peer.name,
+                text.rstrip(),
+                logger=request_errors_log,
+            )
         out = codec.encode(ERROR, request_id, payload, peer=peer)
         metrics.replied(rows, out.size, out.tensor_bytes, error=True)
         respond(out.pieces)
@@ -609,6 +732,7 @@ class Agent:
             connections = list(self._connections.values())
             self._connections.clear()
             opened, self._opened = self._opened, []
+        lanes = self.lanes.stop() if self.lanes is not None else []
         for call in self.calls.close_all():
             metrics.ended(call.rows, timed_out=False)
             settle(call.future, error=RpcError(f"rrpc on {self.info.name} shut down"))
@@ -619,22 +743,20 @@ class Agent:
                 connection.abort()
         for connection in opened:  # broken ones too: an open channel can hang exit
             connection.release()
+        for opened_lane in lanes:
+            opened_lane.close()
+        if self.lane_listener is not None:
+            self.lane_listener.stop()
         self.server.stop(min(1.0, max(0.0, deadline - time.monotonic())) if graceful else 0)
         if self.shm_pool is not None:
             self.shm_pool.close()
-        self._deadlines.stop()
+        self.scheduler.stop()
         self._pool.stop(max(0.5, deadline - time.monotonic()) if graceful else 0.5)
 
 
+# The process's one pointer to its run (as torch's ``_agent``): the agent of
+# the current init_rpc .. shutdown, which holds everything else of the run.
 _current: Agent | None = None
-
-# Lifecycle hooks that protocol layers (rref, autograd) append to when imported:
-# on_start(agent) right after init_rpc's rendezvous (register message kinds);
-# on_drain(timeout) at graceful shutdown, before the barrier (finish own traffic);
-# on_stop() after the agent stopped (forget per-run state).
-on_start: list[Callable[[Agent], None]] = []
-on_drain: list[Callable[[float], None]] = []
-on_stop: list[Callable[[], None]] = []
 
 
 def current_agent() -> Agent:

@@ -17,13 +17,12 @@ from typing import Any
 import torch
 
 from rrpc import agent as agent_module
-from rrpc import codec, functions, membership, metrics, profiling
-from rrpc.agent import Agent, Deferred, current_agent
+from rrpc import membership, worker
+from rrpc.agent import Agent, current_agent
 from rrpc.faults import FaultyRpcBackendOptions
-from rrpc.functions import async_result_error, callable_name, is_async_execution
+from rrpc.functions import callable_name
 from rrpc.messages import CALL, RpcError, WorkerInfo
 from rrpc.options import UNSET_RPC_TIMEOUT, RpcBackendOptions
-from rrpc.profiling import profiler_enabled
 from rrpc.rendezvous import Rendezvous, advertise_host, resolve_world
 
 
@@ -36,9 +35,7 @@ class BackendType(enum.Enum):
 
 
 _lock = threading.Lock()
-_rendezvous: Rendezvous | None = None
 _thread_local_var = threading.local()  # future_list: see _wait_all
-_exporter: metrics.Exporter | None = None  # the Prometheus endpoint (metrics_port)
 
 
 def init_rpc(
@@ -70,7 +67,6 @@ def init_rpc(
         print(rrpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1)))
         rrpc.shutdown()
     """
-    global _rendezvous
     if not isinstance(name, str) or not name:
         raise ValueError(f"worker name must be a non-empty string, not {name!r}")
     WorkerInfo(name, 0)  # raises as torch for a name it would refuse
@@ -97,7 +93,6 @@ def init_rpc(
             rank, world_size, options.init_method
         )
         rendezvous = Rendezvous(rank, world_size, store_host, store_port, options.init_timeout)
-        _set_restricted(options.restricted)
         agent = None
         group = None  # a dynamic group's membership (rrpc/membership.py)
         try:
@@ -106,10 +101,7 @@ def init_rpc(
                 group = membership.Group(rendezvous, rank)
                 agent.incarnation = group.next_incarnation(options.init_timeout)
             # Every handler is in place before any peer can learn our address.
-            agent.register(CALL, _run_restricted_call if options.restricted else _run_call)
-            for start in agent_module.on_start:
-                start(agent)
-            _start_exporter(agent)
+            worker.start_services(agent)
             if group is not None:
                 group.join(agent, options.init_timeout)
                 agent.peers.lookup = group.lookup
@@ -119,12 +111,12 @@ def init_rpc(
                 ):
                     agent.add_peer(info, address, advertised)
         except BaseException:
-            _stop_exporter()
             if agent is not None:
                 agent.stop(graceful=False)
+                worker.stop_services(agent)
             rendezvous.close(timeout=0)
             raise
-        _rendezvous = rendezvous
+        agent.rendezvous = rendezvous
         agent_module.set_current_agent(agent)
         agent.ready.set()  # requests that came in meanwhile run from now on
         _stop_before_threads_are_joined()
@@ -148,24 +140,23 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
     others have on it, then leaves (see ``rrpc/membership.py``). A worker that
     cannot reach the rendezvous store logs it and raises ``RpcError`` (having
     stopped). Every step shares one deadline: ``shutdown(timeout=T)`` returns
-    or raises within T plus a second or two.
+    or raises within T plus at most 1 s, beside a frozen peer or store too
+    (past T only the barrier's last look at who is missing, up to 0.5 s, and
+    the agent's threads finishing, up to 0.5 s; with a store that answers and
+    nothing left running, milliseconds).
     """
-    global _rendezvous
     with _lock:
         agent = agent_module._current
         if agent is None:
             raise RpcError("RPC has not been initialized: nothing to shut down")
-        rendezvous = _rendezvous
+        rendezvous = agent.rendezvous
         # One deadline for every step, so that shutdown(timeout=T) ends within T.
         deadline = time.monotonic() + timeout if timeout > 0 else math.inf
-        group = membership.current()
+        group = agent.group  # a dynamic group's membership, while joined
         left = False
         try:
             if graceful:
-                if group is not None:
-                    group.release_rrefs()
-                for drain in agent_module.on_drain:
-                    drain(_remaining(deadline))
+                worker.drain_services(agent, _remaining(deadline))
                 if not agent.wait_idle(_remaining(deadline)):
                     raise RpcError(
                         f"shutdown of {agent.info.name}: calls still pending after {timeout:g} s"
@@ -185,12 +176,10 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
             if group is not None and not left:
                 with contextlib.suppress(RpcError):
                     group.leave(deadline, graceful=False)
-            _stop_exporter()
             agent.stop(graceful, min(5.0, _remaining(deadline)))
-            for stop in agent_module.on_stop:
-                stop()
+            worker.stop_services(agent)
             agent_module.set_current_agent(None)
-            _rendezvous = None
+            agent.rendezvous = None
             if rendezvous is not None:
                 rendezvous.close(timeout=min(10.0, _remaining(deadline)) if graceful else 0.0)
 
@@ -223,29 +212,6 @@ def _stop_before_threads_are_joined() -> None:
     if register is not None:
         register(_stop_at_exit)
         _registered_before_joins = True
-
-
-def _set_restricted(on: bool) -> None:
-    """Restricted mode (``RpcBackendOptions.restricted``) for this process's
-    agent: chosen once here, so that the default path pays nothing for it."""
-    functions.restricted = on
-    codec.set_restricted(on)
-
-
-def _run_restricted_call(payload: tuple, caller: WorkerInfo) -> Any:
-    functions.check_call(payload[0])
-    return _run_call(payload, caller)
-
-
-def _run_call(payload: tuple, caller: WorkerInfo) -> Any:
-    func, args, kwargs = payload
-    if is_async_execution(func):
-        future = func(*args, **kwargs)
-        error = async_result_error(func, future)
-        if error is not None:
-            raise error
-        return Deferred(future)
-    return func(*args, **kwargs)
 
 
 def rpc_async(
@@ -330,10 +296,8 @@ def _send_call(to, func, args, kwargs, timeout: float, sync: bool):
     what = f"call of {callable_name(func)}"
     payload = (func, args or (), kwargs or {})
     timeout = agent.resolve_timeout(timeout)
-    if profiler_enabled():  # the one check profiling costs a call (rrpc/profiling.py)
-        mode = "sync" if sync else "async"
-        return profiling.send(agent, peer, CALL, payload, timeout, what, mode, func)
-    return agent.send(peer, CALL, payload, timeout, what, sync)
+    # "sync"/"async": torch's name for the call, in its profiler's events.
+    return agent.send(peer, CALL, payload, timeout, what, sync, "sync" if sync else "async")
 
 
 def get_rpc_timeout() -> float:
@@ -381,7 +345,7 @@ def stats(by: str = "peer") -> dict[str, Any]:
     """
     agent = current_agent()
     if by == "worker":
-        return worker_stats(agent)
+        return worker.worker_stats(agent)
     if by == "peer":
         rows = agent.metrics.peers
     elif by == "function":
@@ -389,31 +353,3 @@ def stats(by: str = "peer") -> dict[str, Any]:
     else:
         raise ValueError(f"stats(by={by!r}): by is 'peer', 'function' or 'worker'")
     return {name: row.as_dict() for name, row in list(rows.items())}
-
-
-def worker_stats(agent: Agent) -> dict[str, float]:
-    """``stats("worker")`` of ``agent``: what is open or queued, and the tables' sizes."""
-    from rrpc import autograd, rref  # protocols built on this module's neighbours
-
-    gauges: dict[str, float] = {"in_flight": len(agent.calls), "queue_depth": agent.queue_depth()}
-    gauges.update(rref.rref_debug_info())
-    gauges.update({f"autograd_{name}": n for name, n in autograd._debug_info().items()})
-    return gauges
-
-
-def _start_exporter(agent: Agent) -> None:
-    """The Prometheus endpoint, on the worker's own host, if ``metrics_port`` is set."""
-    global _exporter
-    port = agent.options.metrics_port
-    if port:
-        host = agent.address.rsplit(":", 1)[0].strip("[]")
-        _exporter = metrics.Exporter(
-            host, port, agent.info.name, agent.metrics, lambda: worker_stats(agent)
-        )
-
-
-def _stop_exporter() -> None:
-    global _exporter
-    exporter, _exporter = _exporter, None
-    if exporter is not None:
-        exporter.stop()

@@ -49,6 +49,9 @@ Theory of operation
   AUTOGRAD_RELEASE to every participant, which drops it and forwards the
   release to its own participants. It does not wait for the answers (as in
   torch); ``_wait_releases()`` does, for tests.
+- One run's state (the context table, the releases under way) lives in the
+  ``Autograd`` service that ``init_rpc`` builds (``rrpc/worker.py``); the
+  functions above find it through the current agent.
 
 Differences from torch: a send record whose gradient never comes back does not
 make ``backward`` hang (torch's FAST mode waits for it); a worker without
@@ -66,26 +69,32 @@ from typing import Any
 import torch
 
 from rrpc import agent as agent_module
-from rrpc import profiling
 from rrpc.agent import Agent, Deferred
-from rrpc.autograd_context import Context, ContextTable, MessageKey
+from rrpc.autograd_context import Context, ContextTable
 from rrpc.futures import all_of, all_settled, on_done, wait_until
-from rrpc.messages import AUTOGRAD_BACKWARD, AUTOGRAD_RELEASE, WorkerInfo, thread_state
+from rrpc.messages import (
+    AUTOGRAD_BACKWARD,
+    AUTOGRAD_RELEASE,
+    MessageKey,
+    WorkerInfo,
+    thread_state,
+)
+from rrpc.profiling import Profiling
 
 __all__ = ["backward", "context", "get_gradients", "is_available"]
 
 log = logging.getLogger("rrpc.autograd")
 
-_table: ContextTable | None = None
-_pending_releases: set[torch.futures.Future] = set()
-_pending_lock = threading.Lock()
+
+def _service() -> Autograd:
+    agent = agent_module._current
+    if agent is None or agent.autograd is None:
+        raise RuntimeError("distributed autograd needs rrpc: call rrpc.init_rpc() first")
+    return agent.autograd
 
 
 def _contexts() -> ContextTable:
-    table = _table
-    if table is None:
-        raise RuntimeError("distributed autograd needs rrpc: call rrpc.init_rpc() first")
-    return table
+    return _service().table
 
 
 # -- The public API ------------------------------------------------------------
@@ -124,7 +133,9 @@ class context:
 
     def __exit__(self, *exc_info: object) -> None:
         thread_state.autograd_context_id = 0
-        _release(self._context_id)
+        agent = agent_module._current
+        if agent is not None and agent.autograd is not None:  # else: shut down inside the block
+            agent.autograd.release(self._context_id)
 
 
 def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool = False) -> None:
@@ -176,10 +187,10 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
             )
         if root.grad_fn is None:
             raise RuntimeError(f"roots[{index}] does not have a valid gradient function")
-    context = _contexts().get(context_id)
-    agent = agent_module.current_agent()
-    with profiling.backward_pass(context_id):  # an event, when this thread profiles
-        hops = _local_pass(agent, context, roots, [torch.ones_like(root) for root in roots])
+    service = _service()
+    context = service.table.get(context_id)
+    with service.profiling.backward_pass(context_id):  # an event, when this thread profiles
+        hops = _local_pass(service.agent, context, roots, [torch.ones_like(root) for root in roots])
         if hops:
             all_of(hops).wait()  # a hop's error names its node already
 
@@ -211,22 +222,12 @@ def _gradients_if_any(context_id: int) -> dict[torch.Tensor, torch.Tensor]:
 
 def _debug_info() -> dict[str, int]:
     """Counts of this worker's live autograd state; all zero when nothing leaks."""
-    info = _contexts().debug_info()
-    info["pending_releases"] = len(_pending_releases)
-    return info
+    return _service().debug_info()
 
 
 def _wait_releases(timeout: float) -> bool:
     """Wait until the releases this worker started are done everywhere. False on timeout."""
-    deadline = time.monotonic() + timeout
-    while True:
-        with _pending_lock:
-            pending = list(_pending_releases)
-        if not pending:
-            return True
-        for future in pending:
-            if not wait_until(future, deadline - time.monotonic()):
-                return False
+    return _service().wait_releases(timeout)
 
 
 # -- Recv nodes and the local pass ---------------------------------------------
@@ -401,80 +402,114 @@ def _local_pass(
     ]
 
 
-# -- Message handlers ----------------------------------------------------------
-def _on_backward(payload: tuple, caller: WorkerInfo) -> Any:
-    """Gradients for one of our send records: run the rest of the pass here."""
-    context_id, key, by_index = payload
-    context = _contexts().get(context_id)
-    sent = context.sent_tensors(key)
-    outputs = [sent[index] for index in by_index]
-    # Tensors travel on the CPU; a gradient goes back to its tensor's device.
-    grads = [
-        grad.to(output.device) for output, grad in zip(outputs, by_index.values(), strict=True)
-    ]
-    with profiling.send_function_pass(context_id):  # profiled if its backward is
-        hops = _local_pass(agent_module.current_agent(), context, outputs, grads)
-    return Deferred(all_of(hops)) if hops else None
+# -- One run ---------------------------------------------------------------------
+class Autograd:
+    """Distributed autograd's part of one run: the context table, the
+    releases under way, and the handlers of AUTOGRAD_BACKWARD and
+    AUTOGRAD_RELEASE (``serve_backward``, ``serve_release``). ``hooks`` is
+    what the agent calls for messages in a context (``agent.autograd_hooks``)."""
 
+    def __init__(self, agent: Agent, profiling: Profiling):
+        self.agent = agent
+        self.profiling = profiling  # backward passes are events when they run under a profile
+        # Ids past those of this rank's earlier incarnations (a rejoin), which peers may hold.
+        self.table = ContextTable(agent.info.id, first=1 + (agent.incarnation << 32))
+        self.hooks = _Hooks(self.table)
+        self._pending_releases: set[torch.futures.Future] = set()
+        self._pending_lock = threading.Lock()
 
-def _on_release(payload: tuple, caller: WorkerInfo) -> Any:
-    """A context ended: drop it and pass the release on to those not told yet."""
-    context_id, told = payload
-    futures = _release_here(context_id, told)
-    return Deferred(all_settled(futures, _release_failed)) if futures else None
+    def serve_backward(self, payload: tuple, caller: WorkerInfo) -> Any:
+        """Gradients for one of our send records: run the rest of the pass here."""
+        context_id, key, by_index = payload
+        context = self.table.get(context_id)
+        sent = context.sent_tensors(key)
+        outputs = [sent[index] for index in by_index]
+        # Tensors travel on the CPU; a gradient goes back to its tensor's device.
+        grads = [
+            grad.to(output.device) for output, grad in zip(outputs, by_index.values(), strict=True)
+        ]
+        with self.profiling.send_function_pass(context_id):  # profiled if its backward is
+            hops = _local_pass(self.agent, context, outputs, grads)
+        return Deferred(all_of(hops)) if hops else None
 
+    def serve_release(self, payload: tuple, caller: WorkerInfo) -> Any:
+        """A context ended: drop it and pass the release on to those not told yet."""
+        context_id, told = payload
+        futures = self._release_here(context_id, told)
+        return Deferred(all_settled(futures, _release_failed)) if futures else None
 
-def _release(context_id: int) -> None:
-    futures = _release_here(context_id, frozenset())
-    if not futures:
-        return
-    settled = all_settled(futures, _release_failed)
-    with _pending_lock:
-        _pending_releases.add(settled)
+    def release(self, context_id: int) -> None:
+        """This worker's ``with context()`` block ended: release it everywhere."""
+        futures = self._release_here(context_id, frozenset())
+        if not futures:
+            return
+        settled = all_settled(futures, _release_failed)
+        with self._pending_lock:
+            self._pending_releases.add(settled)
 
-    def forget(_: torch.futures.Future) -> None:
-        with _pending_lock:
-            _pending_releases.discard(settled)
+        def forget(_: torch.futures.Future) -> None:
+            with self._pending_lock:
+                self._pending_releases.discard(settled)
 
-    on_done(settled, forget)
+        on_done(settled, forget)
 
-
-def _release_here(context_id: int, told: frozenset[int]) -> list[torch.futures.Future]:
-    """Drop the context here; send its release to participants not in ``told``."""
-    table, agent = _table, agent_module._current
-    if table is None or agent is None:  # rrpc was shut down inside the block
-        return []
-    context = table.release(context_id)
-    if context is None:
-        return []
-    with context.lock:
-        targets = [peer for rank, peer in context.participants.items() if rank not in told]
-    # Everyone told by us, or before us, need not be told again by those we tell.
-    told = told | {peer.id for peer in targets} | {agent.info.id}
-    futures: list[torch.futures.Future] = []
-    for peer in targets:
-        if peer.id == agent.info.id:
-            continue
-        try:
-            futures.append(
-                agent.send_reliably(
-                    peer,
-                    AUTOGRAD_RELEASE,
-                    (context_id, told),
-                    agent.options.rpc_timeout,
-                    f"release of autograd context {context_id}",
+    def _release_here(self, context_id: int, told: frozenset[int]) -> list[torch.futures.Future]:
+        """Drop the context here; send its release to participants not in ``told``."""
+        agent = self.agent
+        context = self.table.release(context_id)
+        if context is None:
+            return []
+        with context.lock:
+            targets = [peer for rank, peer in context.participants.items() if rank not in told]
+        # Everyone told by us, or before us, need not be told again by those we tell.
+        told = told | {peer.id for peer in targets} | {agent.info.id}
+        futures: list[torch.futures.Future] = []
+        for peer in targets:
+            if peer.id == agent.info.id:
+                continue
+            try:
+                futures.append(
+                    agent.send_reliably(
+                        peer,
+                        AUTOGRAD_RELEASE,
+                        (context_id, told),
+                        agent.options.rpc_timeout,
+                        f"release of autograd context {context_id}",
+                    )
                 )
-            )
-        except Exception as exc:  # shutting down: nothing left to free there
-            log.debug("rrpc: release of context %d to %s not sent: %s", context_id, peer.name, exc)
-    return futures
+            except Exception as exc:  # shutting down: nothing left to free there
+                log.debug(
+                    "rrpc: release of context %d to %s not sent: %s", context_id, peer.name, exc
+                )
+        return futures
+
+    def debug_info(self) -> dict[str, int]:
+        info = self.table.debug_info()
+        info["pending_releases"] = len(self._pending_releases)
+        return info
+
+    def wait_releases(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._pending_lock:
+                pending = list(self._pending_releases)
+            if not pending:
+                return True
+            for future in pending:
+                if not wait_until(future, deadline - time.monotonic()):
+                    return False
+
+    def stop(self) -> None:
+        """The run is over (the agent stopped): forget every context."""
+        self.table.clear()
+        with self._pending_lock:
+            self._pending_releases.clear()
 
 
 def _release_failed(error: BaseException) -> None:
     log.debug("rrpc: a context release failed: %s", error)
 
 
-# -- Wiring into the agent -----------------------------------------------------
 class _Hooks:
     """What the agent calls for messages in a context (``agent.AutogradHooks``)."""
 
@@ -504,24 +539,3 @@ class _Hooks:
             return _receive(context_id, key, index - 1, peer, tensor)
 
         return receive
-
-
-def _start(agent: Agent) -> None:
-    global _table
-    _table = ContextTable(agent.info.id, first=1 + (agent.incarnation << 32))
-    agent.register(AUTOGRAD_BACKWARD, _on_backward)
-    agent.register(AUTOGRAD_RELEASE, _on_release)
-    agent.autograd_hooks = _Hooks(_table)
-
-
-def _stop() -> None:
-    global _table
-    if _table is not None:
-        _table.clear()
-    _table = None
-    with _pending_lock:
-        _pending_releases.clear()
-
-
-agent_module.on_start.append(_start)
-agent_module.on_stop.append(_stop)

@@ -38,11 +38,7 @@ from collections import OrderedDict
 
 import torch
 
-from rrpc.messages import WorkerInfo
-
-# (caller rank, request id, is_reply): names one message cluster-wide; the
-# sender's send record and the receiver's recv nodes share it.
-MessageKey = tuple[int, int, bool]
+from rrpc.messages import MessageKey, WorkerInfo
 
 CONTEXT_ID_BITS = 48
 REMEMBERED_RELEASES = 65536  # released ids remembered, to drop late messages

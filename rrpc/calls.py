@@ -1,4 +1,4 @@
-"""The call table: the requests this worker sent and still awaits. No I/O, no threads.
+"""The call table: the requests this worker sent and still awaits, and when they expire.
 
 A call is *open* from the moment its request is queued until exactly one of
 three things ends it, whichever comes first:
@@ -16,17 +16,22 @@ the thread that asked. Which thread that is, and what it may do, is the
 agent's business (its module doc); this one is unit-tested without processes
 (tests/test_calls.py).
 
-Deadlines: ``open`` returns whether the new deadline is the earliest the table
-knows, so that the one thread that sleeps until the earliest deadline is woken
-only then (timeouts are mostly equal, so it rarely is). ``expired(now)`` scans
-the table, which is cheap because it runs once per earliest deadline, not per
-call, and recomputes the earliest deadline of what remains.
+The table (``CallTable``) has no I/O and no threads. Its deadlines are
+watched by ``Deadlines``: one entry on the run's scheduler
+(``scheduler.Scheduler``), at the earliest deadline the table knows. ``open``
+returns whether the new deadline is that earliest one, so that the entry is
+moved only then (timeouts are mostly equal, so it rarely is). When the entry
+is due, ``expired(now)`` scans the table, which is cheap because it runs once
+per earliest deadline, not per call, and recomputes the earliest deadline of
+what remains; the next entry goes there.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,6 +89,9 @@ class CallTable:
 
     def expired(self, now: float) -> list[Call]:
         """The calls whose deadline is ``now`` or earlier, removed, in id order."""
+        # A call opened during the scan may be missed by it: until the scan
+        # ends, its open() must report its deadline as the earliest.
+        self._earliest = math.inf
         ended, earliest = [], math.inf
         for request_id, call in list(self._calls.items()):
             if call.deadline <= now:
@@ -120,3 +128,36 @@ class CallTable:
     def __iter__(self) -> Iterator[Call]:
         """A snapshot of the open calls."""
         return iter(list(self._calls.values()))
+
+
+class Deadlines:
+    """Ends the calls of ``table`` whose deadline passed, with ``expire(call)``
+    on the scheduler's thread (which must not block: ``expire`` completes a
+    future, handing its user callbacks on)."""
+
+    def __init__(self, table: CallTable, scheduler: Any, expire: Callable[[Call], None]):
+        self._table = table
+        self._scheduler = scheduler
+        self._expire = expire
+        self._lock = threading.Lock()
+        self._wake = math.inf  # when the one scheduler entry is due (inf: none)
+        self._entry: Any = None  # its handle
+
+    def watch(self, deadline: float) -> None:
+        """A call was opened with the table's earliest ``deadline``: wake then."""
+        if deadline < self._wake:
+            with self._lock:
+                if deadline < self._wake:
+                    if self._entry is not None:
+                        self._entry.cancel()
+                    self._wake = deadline
+                    self._entry = self._scheduler.call_at(deadline, self._due)
+
+    def _due(self) -> None:
+        with self._lock:
+            # From here a watch() must schedule: the scan may miss its call.
+            self._wake, self._entry = math.inf, None
+        expired = self._table.expired(time.monotonic())
+        self.watch(self._table.earliest())
+        for call in expired:
+            self._expire(call)

@@ -20,10 +20,11 @@ names the message as torch would (``torch_name``) and then:
   attempt ``num_fail_sends + 1``, while the next call of a different content
   starts its own count;
 - otherwise **delays it** if the name is in ``messages_to_delay``: the frame
-  goes onto the stream that many seconds later, from a timer thread. The
-  caller does not wait (torch blocks the sending thread instead); its timeout
-  runs meanwhile, as in torch, so a delay longer than the timeout fails the
-  call with the usual timeout error while the message still reaches the peer
+  goes onto the stream that many seconds later, from the run's scheduler
+  (``scheduler.Scheduler``: queueing a frame does not block). The caller
+  does not wait (torch blocks the sending thread instead); its timeout runs
+  meanwhile, as in torch, so a delay longer than the timeout fails the call
+  with the usual timeout error while the message still reaches the peer
   late. A delayed message may be overtaken by later ones;
 - otherwise sends it.
 
@@ -70,7 +71,7 @@ from typing import Any
 
 import torch
 
-from rrpc import codec
+from rrpc import wire
 from rrpc.calls import CallTable
 from rrpc.futures import settle
 from rrpc.messages import (
@@ -86,6 +87,7 @@ from rrpc.messages import (
     thread_state,
 )
 from rrpc.options import RpcBackendOptions
+from rrpc.scheduler import Scheduler
 
 # torch's names, each with what the message does (for error messages).
 MESSAGE_TYPES = {
@@ -163,15 +165,16 @@ class FaultyRpcBackendOptions(RpcBackendOptions):
             raise ValueError(f"num_fail_sends must be >= 0, got {self.num_fail_sends}")
 
 
-def injector(options: RpcBackendOptions) -> Injector | None:
-    """The agent's injector for ``options``; None when they inject nothing."""
+def injector(options: RpcBackendOptions, scheduler: Scheduler) -> Injector | None:
+    """The agent's injector for ``options``, delaying on ``scheduler``; None
+    when they inject nothing."""
     if not isinstance(options, FaultyRpcBackendOptions):
         return None
     failing = options.messages_to_fail if options.num_fail_sends else []
     delays = {name: seconds for name, seconds in options.messages_to_delay.items() if seconds}
     if not failing and not delays:
         return None
-    return Injector(failing, options.num_fail_sends, delays)
+    return Injector(failing, options.num_fail_sends, delays, scheduler)
 
 
 def _is_builtin(func: Any) -> bool:
@@ -205,7 +208,14 @@ def torch_name(kind: int, obj: Any, what: str, requires_grad: bool) -> str | Non
 class Injector:
     """Decides, for each request this worker sends, to fail, delay or send it."""
 
-    def __init__(self, failing: list[str], num_fail_sends: int, delays: dict[str, float]):
+    def __init__(
+        self,
+        failing: list[str],
+        num_fail_sends: int,
+        delays: dict[str, float],
+        scheduler: Scheduler,
+    ):
+        self._scheduler = scheduler
         self.failing = frozenset(failing)
         self.num_fail_sends = num_fail_sends
         self.delays = dict(delays)
@@ -222,7 +232,7 @@ class Injector:
         kind: int,
         obj: Any,
         what: str,
-        out: codec.Outgoing,
+        out: wire.Outgoing,
         put: Callable[[list[Any]], None],
         calls: CallTable,
         request_id: int,
@@ -249,18 +259,15 @@ class Injector:
         if not delay:
             put(out.pieces)
             return
-        timer = threading.Timer(delay, put, (out.pieces,))
-        timer.name = f"rrpc-delay-{name}"
-        timer.daemon = True
-        timer.start()
+        self._scheduler.call_later(delay, put, out.pieces)
 
-    def _count_failure(self, name: str, out: codec.Outgoing) -> int:
+    def _count_failure(self, name: str, out: wire.Outgoing) -> int:
         """Which failing send of this message this is (from 1), or 0 once
         ``num_fail_sends`` of them have failed."""
         digest = hashlib.blake2b(name.encode(), digest_size=16)
         first = bytes(out.pieces[0])
-        (head_size,) = codec.HEADER.unpack_from(first)
-        digest.update(first[codec.HEADER.size + head_size :])  # the payload, not the envelope
+        (head_size,) = wire.HEADER.unpack_from(first)
+        digest.update(first[wire.HEADER.size + head_size :])  # the payload, not the envelope
         for piece in out.pieces[1:]:
             digest.update(piece)
         key = digest.digest()

@@ -1,7 +1,8 @@
 """Decorators for functions called over RPC; what restricted mode lets peers call.
 
 Restricted mode (``RpcBackendOptions(restricted=True)``, env ``RRPC_RESTRICTED=1``)
-runs only what a worker exposed, and unpickles only safe types (``codec.py``):
+runs only what a worker exposed, and unpickles only safe types (``restricted.py``,
+which holds the tables; the agent holds the per-run choice):
 
 - ``expose(fn)`` registers a function (plain, ``staticmethod``/``classmethod``,
   ``async_execution``, stacked in either order) as callable by peers.
@@ -16,8 +17,9 @@ runs only what a worker exposed, and unpickles only safe types (``codec.py``):
   the module that defines (or exposes) it before peers call it.
 - rrpc's own helpers that it sends itself (RRef proxies, distributed autograd,
   ``DistributedOptimizer``, ``RemoteModule``, the liveness probe) are on an
-  internal allow-list (``_INTERNAL_CALLS``); each of them checks what it is
-  given where that matters (``check_method`` for proxies).
+  internal allow-list that the modules defining them fill
+  (``restricted.allow_call``); each of them checks what it is given where
+  that matters (``check_method`` for proxies).
 
 Without restricted mode nothing here is consulted: a peer that passed the auth
 handshake may run any code, as in torch.
@@ -26,13 +28,13 @@ handshake may run any code, as in torch.
 from __future__ import annotations
 
 import functools
-import types
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 
 from rrpc.messages import RpcError
+from rrpc.restricted import allow_exposed, is_exposed, is_internal_call
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -87,14 +89,31 @@ def async_result_error(func: Any, result: Any) -> RuntimeError | None:
     )
 
 
+def builtin_argument_error(func: Any, args: tuple, kwargs: dict) -> RuntimeError | None:
+    """The error torch raises for a builtin operator called with arguments
+    whose Python binding raised ``TypeError``, or None when torch would not.
+
+    torch runs a builtin operator sent over RPC (``torch.add``) through its
+    TorchScript schema matching, so wrong arguments are a ``RuntimeError``
+    ("Overloaded torch operator invoked from Python failed to match any
+    schema: ..."); the Python binding rrpc calls raises ``TypeError``. Only
+    after that ``TypeError`` is torch's matcher asked (it runs nothing), so a
+    call that works pays nothing."""
+    name = torch.jit._builtins._find_builtin(func)
+    if name is None:
+        return None
+    try:
+        torch._C._jit_resolve_packet(name, *args, **kwargs)
+    except RuntimeError as mismatch:
+        return mismatch
+    except Exception:
+        return None
+    return None  # the matcher takes these arguments: the binding's own error stands
+
+
 # -- Restricted mode -------------------------------------------------------------
 class NotExposedError(RpcError, PermissionError):
     """Restricted mode refused to run a function or method a peer named."""
-
-
-# id -> the object expose() registered (kept alive: ids stay unique).
-_exposed: dict[int, Any] = {}
-restricted = False  # this process's agent runs in restricted mode (set by init_rpc)
 
 
 def expose(obj: F) -> F:
@@ -119,54 +138,8 @@ def expose(obj: F) -> F:
     target = obj.__func__ if isinstance(obj, staticmethod | classmethod) else obj
     if not callable(target):
         raise TypeError(f"expose() takes a function or a class, not {type(obj).__name__}")
-    _exposed[id(target)] = target
+    allow_exposed(target)
     return obj
-
-
-def is_exposed(obj: Any) -> bool:
-    """Whether ``obj`` was exposed: itself, the function of a bound classmethod,
-    or a function it wraps (``functools.wraps``, as ``async_execution`` does)."""
-    for _ in range(8):
-        if id(obj) in _exposed and _exposed[id(obj)] is obj:
-            return True
-        if isinstance(obj, types.MethodType):
-            obj = obj.__func__
-        elif isinstance(obj, types.FunctionType):
-            obj = obj.__dict__.get("__wrapped__")
-        else:
-            return False
-    return False
-
-
-def _internal_calls() -> dict[int, Any]:
-    """The functions rrpc itself names in CALL / remote() messages."""
-    from rrpc import optim, rref
-    from rrpc.nn.api import remote_module
-
-    functions: list[Any] = [
-        int,  # the agent's liveness probe
-        rref._invoke_on_owner,  # checks the method: check_method
-        rref._backward_on_owner,
-        rref._rref_typeof_on_owner,
-        optim._new_local_optimizer,
-        optim._local_optimizer_step,
-        remote_module._create_module,  # the module class must be exposed to arrive
-        remote_module._param_rrefs,
-        remote_module._train,
-        remote_module._eval,
-        remote_module._forward_on_owner,
-        remote_module.RemoteModule.init_from_module_rref,
-    ]
-    return {id(function): function for function in functions}
-
-
-_INTERNAL_CALLS: dict[int, Any] = {}
-
-
-def is_internal_call(func: Any) -> bool:
-    if not _INTERNAL_CALLS:
-        _INTERNAL_CALLS.update(_internal_calls())
-    return _INTERNAL_CALLS.get(id(func)) is func
 
 
 def _how_to_expose(name: str) -> str:

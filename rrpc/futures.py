@@ -2,17 +2,18 @@
 
 Rule: user code never runs on a thread the transport needs to make progress.
 A torch Future runs its callbacks on whichever thread completes it; rrpc
-completes futures on a stream's receive thread (a reply), the deadline thread
-(a timeout) or a stream's close (a dead peer). A user callback that made an
+completes futures on a stream's receive thread (a reply), the scheduler's
+thread (a timeout) or a stream's close (a dead peer). A user callback that made an
 RPC there (``rpc_async(...).then(lambda f: rpc_sync(...))``) would wait for a
 reply that only that very thread could read: a deadlock.
 
 So every future rrpc returns is a ``Future`` (a ``torch.futures.Future``)
 whose ``then`` and ``add_done_callback`` wrap the user's callback: run on a
-transport thread, the callback is handed to ``callbacks``, a pool that grows a
-thread whenever none is idle (a callback may block on anything, even on
-another callback); run elsewhere (the future was already done, or a user
-thread completed it), it runs right there, as in torch. Transport threads say
+transport thread, the callback is handed to ``callbacks``, a pool
+(``pool.ElasticThreads``) that grows a thread whenever none is free (a
+callback may block on anything, even on another callback); run elsewhere
+(the future was already done, or a user thread completed it), it runs right
+there, as in torch. Transport threads say
 so with ``mark_transport_thread()``. A future with user callbacks is also
 completed off the transport thread as a whole (``settle``), so that its
 callbacks keep torch's order: registration order, one after another.
@@ -27,7 +28,8 @@ Every wait and every combination of futures in rrpc goes through this module:
   calls) wait on: a bare lock, a fraction of a torch Future's cost, never
   seen by user code.
 - ``wait_until(future, timeout)``: wait without raising (True once done).
-  Through ``blocking``: a request that waits gives its worker permit back.
+  Through ``blocking``: a request that waits gives its worker permit back
+  (the worker pool says which thread runs a request: ``pool.this_thread``).
 - ``all_of`` (fails at the first failure, as soon as it happens),
   ``all_settled`` (never fails: done when all are) and ``values_of`` (every
   value, or the first error once all are done): combinations, built with
@@ -36,16 +38,19 @@ Every wait and every combination of futures in rrpc goes through this module:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
-import queue
 import threading
+import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+
+from rrpc import pool
 
 log = logging.getLogger("rrpc")
 
@@ -54,8 +59,6 @@ _IDLE_EXIT = 30.0  # seconds an idle callback thread waits before it ends
 
 class _Marks(threading.local):
     transport = False
-    # (give back, take back): set while a worker-pool thread runs a request.
-    blocking_hooks: tuple[Callable[[], None], Callable[[], None]] | None = None
 
 
 _marks = _Marks()
@@ -66,21 +69,23 @@ def mark_transport_thread() -> None:
     _marks.transport = True
 
 
-def on_transport_thread() -> bool:
-    return _marks.transport
-
-
-def set_blocking_hooks(hooks: Any) -> Any:
-    """Set the calling thread's blocking hooks (see ``blocking``); returns the previous."""
-    previous, _marks.blocking_hooks = _marks.blocking_hooks, hooks
-    return previous
+@contextlib.contextmanager
+def transport_thread() -> Iterator[None]:
+    """Within the block, the calling thread is one the transport needs (a user
+    thread reading a lane's replies for every caller): user callbacks of the
+    futures it completes go to the callback pool."""
+    previous, _marks.transport = _marks.transport, True
+    try:
+        yield
+    finally:
+        _marks.transport = previous
 
 
 def blocking(wait: Callable[..., Any], *args: Any) -> Any:
     """``wait(*args)``, a wait for an RPC's reply. On a thread that runs a
     request, the request's worker permit is given back meanwhile, so that
     nested calls deeper than ``num_worker_threads`` cannot deadlock."""
-    hooks = _marks.blocking_hooks
+    hooks = pool.this_thread.blocking_hooks  # set by the worker pool while it runs a request
     if hooks is None:
         return wait(*args)
     give_back, take_back = hooks
@@ -91,57 +96,24 @@ def blocking(wait: Callable[..., Any], *args: Any) -> Any:
         take_back()
 
 
-class _CallbackPool:
-    """Threads for user callbacks: a task goes to an idle thread, or to a new
-    one when none is idle (so a callback that blocks on another callback's
-    work cannot deadlock), and an idle thread ends after ``_IDLE_EXIT`` s.
-
-    ``_idle`` counts idle threads not yet promised a task: ``submit`` takes
-    one (and queues the task) under the lock, or starts a thread for it."""
-
-    def __init__(self) -> None:
-        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._idle = 0
-        self._names = iter(range(1 << 62))
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
-        with self._lock:
-            if self._idle > 0:
-                self._idle -= 1
-                self._tasks.put((fn, args))
-                return
-        name = f"rrpc-callback-{next(self._names)}"
-        threading.Thread(target=self._run, args=((fn, args),), name=name, daemon=True).start()
-
-    def _run(self, task: tuple[Callable[..., Any], tuple] | None) -> None:
-        while True:
-            if task is not None:
-                fn, args = task
-                try:
-                    fn(*args)
-                except BaseException:
-                    log.exception("rrpc: a future's callback raised")
-                task = fn = args = None  # type: ignore[assignment]
-            with self._lock:
-                self._idle += 1
-            while task is None:
-                try:
-                    task = self._tasks.get(timeout=_IDLE_EXIT)
-                except queue.Empty:
-                    with self._lock:
-                        if self._tasks.empty():  # no task promised to an idle thread waits
-                            self._idle -= 1
-                            return
+def _run_callback(task: tuple[Callable[..., Any], tuple]) -> None:
+    fn, args = task
+    try:
+        fn(*args)
+    except BaseException:
+        log.exception("rrpc: a future's callback raised")
 
 
-callbacks = _CallbackPool()
+# Threads for user callbacks handed off a transport thread: one more whenever
+# none is free (a callback may block on another callback's work), each ending
+# after _IDLE_EXIT s idle. Process-wide: no thread until a callback needs one.
+callbacks = pool.ElasticThreads("rrpc-callback", _run_callback, idle_exit=_IDLE_EXIT)
 
 
 def _off_transport(callback: Callable[[Any], Any]) -> Callable[[Any], Any]:
     def run(future: Any) -> None:
         if _marks.transport:
-            callbacks.submit(callback, future)
+            callbacks.put_or_grow((callback, (future,)))
         else:
             callback(future)
 
@@ -240,7 +212,7 @@ def settle(future: Any, value: Any = None, error: BaseException | None = None) -
     """Complete ``future`` with ``value`` or ``error``, running its user
     callbacks off the transport (see the module doc)."""
     if _marks.transport and getattr(future, "_has_user_callbacks", False):
-        callbacks.submit(_set, future, value, error)
+        callbacks.put_or_grow((_set, (future, value, error)))
     else:
         _set(future, value, error)
 
@@ -275,13 +247,16 @@ class SyncReply:
     released when the reply is in. Its error is raised as it was set, once,
     and the reply keeps neither value nor error afterwards."""
 
-    __slots__ = ("_arrived", "_value", "_error")
+    __slots__ = ("_arrived", "_value", "_error", "lead")
 
-    def __init__(self) -> None:
+    def __init__(self, lead: Callable[[Callable[[], bool], float], bool] | None = None) -> None:
         self._arrived = threading.Lock()
         self._arrived.acquire()
         self._value: Any = None
         self._error: BaseException | None = None
+        # A lane's ``lead``: the waiting thread reads replies itself while
+        # nobody else does, until its own is in (see lane.py).
+        self.lead = lead
 
     def set_result(self, value: Any) -> None:
         self._value = value
@@ -297,6 +272,11 @@ class SyncReply:
     def wait_done(self, timeout: float) -> bool:
         """True once the reply is in, False after ``timeout`` seconds (inf: none)."""
         if not self._arrived.acquire(blocking=False):
+            if self.lead is not None:
+                blocking(self.lead, self.done, time.monotonic() + timeout)
+                if self._arrived.acquire(blocking=False):
+                    self._arrived.release()
+                    return True
             limit = -1 if timeout == math.inf else max(0.0, timeout)
             if not blocking(self._arrived.acquire, True, limit):
                 return False

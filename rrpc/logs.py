@@ -22,9 +22,10 @@ _lock = threading.Lock()
 _last: dict[tuple[str, str], tuple[float, int]] = {}  # (event, peer) -> (logged at, left out)
 
 
-def event(kind: str, peer: str, message: str, *args: Any) -> None:
+def event(kind: str, peer: str, message: str, *args: Any, logger: logging.Logger = log) -> None:
     """Log ``message % args`` about ``peer`` unless this ``kind`` was logged
-    for it less than ``INTERVAL`` seconds ago (then count it as left out)."""
+    for it less than ``INTERVAL`` seconds ago (then count it as left out).
+    ``logger``: a child of ``rrpc``, for events a user may want to silence alone."""
     now = time.monotonic()
     key = (kind, peer)
     with _lock:
@@ -37,4 +38,4 @@ def event(kind: str, peer: str, message: str, *args: Any) -> None:
             for stale in sorted(_last, key=lambda k: _last[k][0])[:2048]:
                 del _last[stale]
     suffix = f" ({left_out} more like it in the last {INTERVAL:g} s)" if left_out else ""
-    log.warning("rrpc: " + message + suffix, *args)
+    logger.warning("rrpc: " + message + suffix, *args)

@@ -55,8 +55,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from rrpc import agent as agent_module
 from rrpc import functions
-from rrpc.agent import Agent
+from rrpc.agent import Agent, current_agent
 from rrpc.messages import CALL, RpcError, WorkerInfo
 from rrpc.rendezvous import REQUEST_LIMIT, Rendezvous, StoreUnreachableError
 
@@ -141,25 +142,17 @@ def get_worker_infos() -> list[WorkerInfo]:
 
         [w.name for w in rrpc.get_worker_infos()]   # ['ps', 'trainer0', 'trainer1']
     """
-    from rrpc.agent import current_agent
-
     agent = current_agent()
-    group = _group
-    if group is None or group.agent is not agent:
+    group = agent.group
+    if group is None:
         return agent.all_workers()
     return group.workers()
 
 
-# The group this process is a member of (dynamic membership), while it is.
-_group: Group | None = None
-
-
-def current() -> Group | None:
-    return _group
-
-
 class Group:
-    """This worker's membership of a dynamic group; see the module doc."""
+    """This worker's membership of a dynamic group; see the module doc. The
+    agent holds it (``agent.group``) from the end of ``join`` to the start of
+    ``leave``: while this worker is a member."""
 
     def __init__(self, rendezvous: Rendezvous, rank: int):
         self.rendezvous = rendezvous
@@ -205,8 +198,7 @@ class Group:
         except BaseException:
             self._release(limit)
             raise
-        global _group
-        _group = self
+        agent.group = self
 
     def _claim(self, key: str, mine: str, limit: float, what: str) -> None:
         store = self.rendezvous.store
@@ -379,19 +371,12 @@ class Group:
                 log.debug("rrpc: membership notice not answered: %s", exc)
 
     # -- Leaving ---------------------------------------------------------------
-    def release_rrefs(self) -> None:
-        from rrpc import rref  # the protocols sit beside this one; imported when leaving
-
-        if rref._ctx is not None:
-            rref._ctx.release_user_forks()
-
     def leave(self, deadline: float, graceful: bool) -> None:
         """Append ``left``, free the claims, tell the members (see the module doc).
 
         Raises ``StoreUnreachableError`` if the store did not answer within
         the time left before ``deadline`` (at most ``REQUEST_LIMIT``); the
         members are told directly then."""
-        global _group
         assert self.agent is not None and self.record is not None
         limit = min(REQUEST_LIMIT, _remaining(deadline)) if graceful else 2.0
         text = json.dumps({**self.record, "kind": "left"})
@@ -403,8 +388,8 @@ class Group:
                 self.catch_up(index - 1, limit=limit)
         except StoreUnreachableError as exc:
             index, unreachable = 0, exc
-        if _group is self:
-            _group = None
+        if self.agent.group is self:
+            self.agent.group = None
         remaining = _remaining(deadline)
         if graceful and remaining > 0:
             wait = 0.0 if remaining == math.inf else remaining
@@ -418,7 +403,8 @@ def _notice(index: int, text: str, drain: float) -> None:
     event a leaver could not write to the store). Answered once applied and,
     for a leaver, once this worker has no call left on it (``drain``: seconds,
     0 no limit)."""
-    group = _group
+    agent = agent_module._current
+    group = agent.group if agent is not None else None
     if group is None:
         return  # not (or no longer) a member
     event = json.loads(text)

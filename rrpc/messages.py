@@ -72,6 +72,12 @@ class WorkerInfo:
         return f"WorkerInfo(id={self.id}, name={self.name})"
 
 
+# (caller rank, request id, is_reply): names one message cluster-wide, and so
+# one send/recv pair of distributed autograd (the sender's send record and the
+# receiver's recv nodes share it).
+MessageKey = tuple[int, int, bool]
+
+
 # -- Errors --------------------------------------------------------------------
 class RpcError(RuntimeError):
     """Base class of the errors rrpc itself raises (not those of user functions)."""
@@ -95,6 +101,12 @@ class MessageTooLargeError(RpcError, ValueError):
 
 class SerializationError(RpcError, TypeError):
     """An argument or a result could not be pickled or unpickled."""
+
+
+class ProtocolError(RpcError):
+    """A peer broke a protocol: bytes on a stream that are not a well-formed
+    frame (``wire.py``), or an RRef protocol event that does not fit the state
+    it arrived in (``rref_protocol.py``)."""
 
 
 class RemoteError(RpcError):

@@ -28,7 +28,7 @@ import weakref
 from collections import defaultdict
 from typing import Any
 
-from rrpc import autograd
+from rrpc import autograd, restricted
 from rrpc.api import rpc_async
 from rrpc.futures import values_of
 from rrpc.rref import RRef
@@ -65,6 +65,7 @@ _local_optimizers: weakref.WeakValueDictionary[int, _LocalOptimizer] = weakref.W
 _numbers = itertools.count(1)
 
 
+@restricted.allow_call
 def _new_local_optimizer(
     optimizer_class: type, param_rrefs: list[RRef], *args: Any, **kwargs: Any
 ) -> tuple[RRef, int]:
@@ -74,6 +75,7 @@ def _new_local_optimizer(
     return RRef(local), number
 
 
+@restricted.allow_call
 def _local_optimizer_step(number: int, context_id: int) -> None:
     local = _local_optimizers.get(number)
     if local is None:

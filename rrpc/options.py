@@ -30,7 +30,8 @@ class RpcBackendOptions:
         num_worker_threads: threads running incoming calls (user functions).
         rpc_timeout: default timeout in seconds of every call (0: none).
         init_method: ``"env://"`` (MASTER_ADDR / MASTER_PORT) or ``"tcp://host:port"``.
-        init_timeout: seconds to wait for all workers at ``init_rpc``.
+        init_timeout: seconds to wait for all workers at ``init_rpc``; it raises
+            within 0.5 s of it, a frozen rendezvous store included.
         auth_token: shared secret every worker must prove it knows, once per stream,
             without sending it (env ``RRPC_AUTH_TOKEN``; see ``rrpc/auth.py``).
         advertise_host: address this worker listens on and publishes to its peers
@@ -53,6 +54,15 @@ class RpcBackendOptions:
             ping unanswered for the other half ends the stream.
         run_inline: let the thread that read a lone request run it instead of
             handing it to a pool thread (env ``RRPC_INLINE``).
+        same_host_lane: carry calls between two workers of one host (same boot,
+            pid and network namespace, and user) over a Unix socket on which the
+            calling thread does its own I/O, instead of gRPC (env ``RRPC_LANE``;
+            see ``rrpc/lane.py``). gRPC stays the control plane and the fallback.
+        _transports / _channels: TensorPipe's names, for code written for it.
+            ``_transports`` without ``"shm"`` turns the same-host lane off;
+            ``_channels`` without ``"cma"`` turns the shared-memory path for large
+            tensors off (TensorPipe's same-host channel). ``None``: rrpc's own
+            switches decide.
         restricted: run only functions and classes exposed with
             ``rrpc.functions.expose`` and unpickle only safe types, for networks
             whose authenticated peers are not trusted to run code (env
@@ -81,6 +91,7 @@ class RpcBackendOptions:
     batch_delay: float = field(default_factory=lambda: _env_float("RRPC_BATCH_DELAY", 300e-6))
     batch_min_open: int = 16
     run_inline: bool = field(default_factory=lambda: _env_flag("RRPC_INLINE", True))
+    same_host_lane: bool = field(default_factory=lambda: _env_flag("RRPC_LANE", True))
     peer_timeout: float = field(default_factory=lambda: _env_float("RRPC_PEER_TIMEOUT", 8.0))
     rref_delete_delay: float = field(default_factory=lambda: _env_float("RRPC_DELETE_DELAY", 5e-3))
     restricted: bool = field(default_factory=lambda: _env_flag("RRPC_RESTRICTED", False))
@@ -90,8 +101,22 @@ class RpcBackendOptions:
     metrics_port: int = field(default_factory=lambda: int(os.environ.get("RRPC_METRICS_PORT") or 0))
     devices: list[Any] | None = None
     device_maps: dict[str, dict[Any, Any]] | None = None
+    _transports: list[str] | None = None
+    _channels: list[str] | None = None
 
     def __post_init__(self) -> None:
+        # TensorPipe's transports and channels map onto rrpc's lanes: "uv" is
+        # TCP (gRPC here, always on), "shm" its same-host transport (the lane),
+        # "cma" its same-host channel for large tensors (shared memory here).
+        if self._transports is not None:
+            self._transports = list(self._transports)
+            unknown = set(self._transports) - {"uv", "shm", "ibv"}
+            if unknown:
+                raise ValueError(f"unknown transports {sorted(unknown)} (TensorPipe's: uv, shm, ibv)")
+            self.same_host_lane = self.same_host_lane and "shm" in self._transports
+        if self._channels is not None:
+            self._channels = list(self._channels)
+            self.shared_memory = self.shared_memory and "cma" in self._channels
         for name in (
             "rpc_timeout",
             "init_timeout",

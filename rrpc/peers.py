@@ -37,11 +37,13 @@ class Peer:
     same_main: bool = False  # runs our __main__ script: its functions go by name
     placer: shm.Placer | None = None  # our shared-memory pool, bound to its pid
     source: Callable[[Any], torch.Tensor] | None = None  # maps its segments, only its
+    lane_path: str = ""  # its same-host lane's socket, when one may open to it (lane.py)
 
 
 class Directory:
-    def __init__(self, shm_pool: shm.SenderPool | None):
+    def __init__(self, shm_pool: shm.SenderPool | None, lane_key: str = ""):
         self._shm_pool = shm_pool
+        self._lane_key = lane_key  # ours; "" when this worker opens no lanes
         self._attachments = shm.Attachments()
         self._by_name: dict[str, Peer] = {}
         self._by_rank: dict[int, Peer] = {}
@@ -62,6 +64,9 @@ class Directory:
                 peer.source = self._attachments.bind(pid, key_bytes)
                 if self._shm_pool is not None:
                     peer.placer = self._shm_pool.towards(pid)
+        lane_key = advertised.get("lane_key", "")
+        if self._lane_key and lane_key == self._lane_key:
+            peer.lane_path = advertised.get("lane", "")
         self._by_name[info.name] = peer
         self._by_rank[info.id] = peer
 

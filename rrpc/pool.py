@@ -1,6 +1,15 @@
-"""The worker pool: the threads that run incoming requests (user functions
-and protocol handlers) for the agent. See the class for its rules; the
-agent's module doc and ARCHITECTURE.md for where it sits among rrpc's threads."""
+"""Thread pools: threads that grow on demand and retire when idle
+(``ElasticThreads``), and on them the worker pool that runs incoming requests
+(``WorkerPool``: permits, requests run inline, permits given back while a
+request waits for an RPC of its own).
+
+Both of rrpc's pools are ``ElasticThreads``: the worker pool, and the
+callback pool of ``futures`` (user callbacks handed off a transport thread).
+This module imports nothing of rrpc: ``futures`` sits above it and asks it,
+through ``this_thread``, whether the waiting thread runs a request (see
+``futures.blocking``). The agent's module doc and ARCHITECTURE.md say where
+the pools sit among rrpc's threads.
+"""
 
 from __future__ import annotations
 
@@ -12,9 +21,126 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from rrpc.futures import set_blocking_hooks
-
 log = logging.getLogger("rrpc")
+
+
+class _ThisThread(threading.local):
+    # (give back, take back) a worker permit: set while a worker-pool thread
+    # runs a request, so that a wait for an RPC gives the permit back.
+    blocking_hooks: tuple[Callable[[], None], Callable[[], None]] | None = None
+
+
+this_thread = _ThisThread()
+
+
+class ElasticThreads:
+    """Threads that take tasks from one queue and run each with ``run(task)``.
+
+    ``core`` threads live until ``stop``. ``put_or_grow(task)`` starts one
+    more whenever no thread is free for the task, so a task that waits for
+    another task's work cannot deadlock the pool; such extra threads end after
+    ``idle_exit`` seconds without a task. ``put(task)`` is the bare queue put
+    (no Python frame: the worker pool's per-request path), for an owner that
+    bounds its own concurrency.
+
+    Accounting, under ``_lock``: ``_waiting`` threads wait for a task (or are
+    about to), and ``_promised`` tasks queued by a growing put are owed one of
+    them; ``put_or_grow`` finds a thread free when ``_waiting > _promised``,
+    and otherwise starts one. A thread that took a task pays a promise back
+    if one is owed. Exact when every put grows (the callback pool); a
+    non-growing put may make a growing one see a free thread that is about
+    to take the other task (the worker pool's owner checks again when a
+    request blocks: ``grow_if_queued``).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        run: Callable[[Any], None],
+        core: int = 0,
+        idle_exit: float = 30.0,
+    ):
+        self._name = name
+        self._run_task = run
+        self._idle_exit = idle_exit
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self.put = self._tasks.put
+        self._lock = threading.Lock()
+        self._waiting = 0
+        self._promised = 0
+        self._numbers = itertools.count()
+        self._threads: set[threading.Thread] = set()
+        with self._lock:
+            threads = [self._new_thread(core=True) for _ in range(core)]
+        for thread in threads:
+            thread.start()
+
+    def put_or_grow(self, task: Any) -> None:
+        """Queue ``task``, and start a thread for it if none is free."""
+        with self._lock:  # an extra thread may be about to end: see _loop
+            self._tasks.put(task)
+            if self._waiting > self._promised:
+                self._promised += 1
+                return
+            thread = self._new_thread(core=False)
+        thread.start()
+
+    def grow_if_queued(self) -> None:
+        """Start a thread if tasks are queued and no thread is free for them."""
+        with self._lock:
+            if self._waiting > self._promised or self._tasks.empty():
+                return
+            thread = self._new_thread(core=False)
+        thread.start()
+
+    def queued(self) -> int:
+        """Tasks queued and not taken yet."""
+        return self._tasks.qsize()
+
+    def _new_thread(self, core: bool) -> threading.Thread:
+        """With ``_lock`` held: one more thread, for the caller to start
+        once the lock is released."""
+        name = f"{self._name}-{next(self._numbers)}"
+        thread = threading.Thread(target=self._loop, args=(core,), name=name, daemon=True)
+        self._threads.add(thread)
+        return thread
+
+    def _loop(self, core: bool) -> None:
+        timeout = None if core else self._idle_exit
+        while True:
+            with self._lock:
+                self._waiting += 1
+            try:
+                task = self._tasks.get(timeout=timeout)
+            except queue.Empty:
+                with self._lock:
+                    if self._tasks.empty():  # put_or_grow() puts under this lock
+                        self._waiting -= 1
+                        self._threads.discard(threading.current_thread())
+                        return
+                task = self._tasks.get()
+            with self._lock:
+                self._waiting -= 1
+                if self._promised:
+                    self._promised -= 1
+            if task is None:
+                return
+            self._run_task(task)
+            # Drop the task now, not when the next one arrives: a request may
+            # hold a peer's shared-memory slot, freed with its last tensor.
+            del task
+
+    def stop(self, timeout: float) -> None:
+        """End every thread once the tasks queued before are done; wait up to
+        ``timeout`` seconds for them (not for the calling thread)."""
+        with self._lock:
+            threads = list(self._threads)
+        for _ in threads:
+            self._tasks.put(None)
+        deadline = time.monotonic() + timeout
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()))
 
 
 class WorkerPool:
@@ -27,15 +153,14 @@ class WorkerPool:
 
     A request that blocks waiting for an RPC of its own (``rpc_sync``, a
     Future's ``wait``) gives its permit back while it waits
-    (``futures.blocking``), and a thread is added if none is idle: a chain of
-    nested calls deeper than ``size`` completes instead of deadlocking. Such
-    extra threads end after ``_EXTRA_IDLE`` seconds without work."""
+    (``futures.blocking`` calls ``this_thread.blocking_hooks``), and a thread
+    is added if none is free: a chain of nested calls deeper than ``size``
+    completes instead of deadlocking. Such extra threads end after
+    ``_EXTRA_IDLE`` seconds without work."""
 
     _EXTRA_IDLE = 5.0
 
     def __init__(self, size: int, name: str):
-        self._name = name
-        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._permits: queue.SimpleQueue = queue.SimpleQueue()
         for _ in range(size):
             self._permits.put(True)
@@ -43,30 +168,23 @@ class WorkerPool:
         # while they differ, a task is on its way and nothing may overtake it.
         self._submits, self._starts = itertools.count(1), itertools.count(1)
         self._submitted = self._started = 0
-        self._lock = threading.Lock()
-        self._idle = 0  # threads waiting for a task
         self._blocked = 0  # requests waiting for an RPC, their permit given back
+        self._blocked_lock = threading.Lock()
         self._hooks = (self._release_while_blocked, self._take_back)
-        self._threads = [self._start_thread(f"{name}-{i}", extra=False) for i in range(size)]
-
-    def _start_thread(self, name: str, extra: bool) -> threading.Thread:
-        thread = threading.Thread(target=self._run, args=(extra,), name=name, daemon=True)
-        thread.start()
-        return thread
+        self._threads = ElasticThreads(name, self._start_task, size, self._EXTRA_IDLE)
+        self._put = self._threads.put
 
     def submit(self, fn: Callable[..., None], *args: Any) -> None:
         self._submitted = next(self._submits)
-        if not self._blocked:
-            self._tasks.put((fn, args))
+        if not self._blocked:  # ``size`` threads suffice for ``size`` permits
+            self._put((fn, args))
             return
-        with self._lock:  # an extra thread may be about to end: see _run
-            self._tasks.put((fn, args))
-            if self._idle == 0:
-                self._add_thread()
+        # A request waiting for an RPC gave its permit back: a thread may be missing.
+        self._threads.put_or_grow((fn, args))
 
     def queued(self) -> int:
         """Tasks submitted and not started yet."""
-        return self._tasks.qsize()
+        return self._threads.queued()
 
     def run_inline(self, fn: Callable[..., None], *args: Any) -> bool:
         """Run ``fn(*args)`` on this thread if a permit is free and no task
@@ -80,65 +198,32 @@ class WorkerPool:
         self._execute(permit, fn, args)
         return True
 
-    def _run(self, extra: bool) -> None:
-        timeout = self._EXTRA_IDLE if extra else None
-        while True:
-            with self._lock:
-                self._idle += 1
-            try:
-                task = self._tasks.get(timeout=timeout)
-            except queue.Empty:
-                with self._lock:
-                    if self._tasks.empty():  # submit() puts under this lock meanwhile
-                        self._idle -= 1
-                        return
-                task = self._tasks.get()
-            with self._lock:
-                self._idle -= 1
-            if task is None:
-                return
-            fn, args = task
-            permit = self._permits.get()
-            self._started = next(self._starts)
-            self._execute(permit, fn, args)
-            # Drop the request now, not when the next one arrives: it may hold
-            # a peer's shared-memory slot, which is freed with its last tensor.
-            del task, fn, args
+    def _start_task(self, task: tuple[Callable[..., None], tuple]) -> None:
+        fn, args = task
+        permit = self._permits.get()
+        self._started = next(self._starts)
+        self._execute(permit, fn, args)
 
     def _execute(self, permit: Any, fn: Callable[..., None], args: tuple) -> None:
-        previous = set_blocking_hooks(self._hooks)
+        previous, this_thread.blocking_hooks = this_thread.blocking_hooks, self._hooks
         try:
             fn(*args)
         except BaseException:
             log.exception("rrpc: a request handler failed outside its own error handling")
         finally:
-            set_blocking_hooks(previous)
+            this_thread.blocking_hooks = previous
             self._permits.put(permit)
-
-    def _add_thread(self) -> None:
-        """With ``_lock`` held: one more thread, counted idle from now on."""
-        self._idle += 1  # so that a burst of submits starts one thread, not many
-        thread = self._start_thread(f"{self._name}-extra", extra=True)
-        self._threads.append(thread)
-        self._idle -= 1  # the thread counts itself in _run
 
     def _release_while_blocked(self) -> None:
         self._permits.put(True)
-        with self._lock:
+        with self._blocked_lock:
             self._blocked += 1
-            if self._idle == 0 and not self._tasks.empty():
-                self._add_thread()
+        self._threads.grow_if_queued()
 
     def _take_back(self) -> None:
-        with self._lock:
+        with self._blocked_lock:
             self._blocked -= 1
         self._permits.get()
 
     def stop(self, timeout: float) -> None:
-        threads = list(self._threads)
-        for _ in threads:
-            self._tasks.put(None)
-        deadline = time.monotonic() + timeout
-        for thread in threads:
-            if thread is not threading.current_thread():
-                thread.join(max(0.0, deadline - time.monotonic()))
+        self._threads.stop(timeout)

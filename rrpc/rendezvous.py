@@ -48,11 +48,24 @@ _generations = itertools.count()  # one prefix per init in this process
 # membership look-up). A request is one round trip: a healthy store answers in
 # milliseconds, even under load.
 REQUEST_LIMIT = 10.0
-DEADLINE_LOOK = 0.5  # seconds a barrier past its deadline may spend naming the missing
+# Seconds a barrier's store request may run past its deadline: its last look
+# at who is missing (a store that answers does so in milliseconds).
+DEADLINE_LOOK = 0.5
+PROBE_LIMIT = 2.0  # seconds a barrier's probe of the missing ranks (``gone``) may take
+LEAVE_GRACE = 0.5  # seconds leaving the store may take when no time is left
 
 
 class StoreUnreachableError(RpcError, ConnectionError):
     """The rendezvous store did not answer a request in time, or refused it."""
+
+
+def _confirmed_gone(
+    gone: Callable[[list[int], float], bool] | None, ranks: list[int], by: float
+) -> bool:
+    """Whether ``gone`` confirms ``ranks`` dead, probing them until ``by`` at
+    the latest (no time left: not confirmed)."""
+    left = min(PROBE_LIMIT, by - time.monotonic())
+    return gone is not None and left > 0 and gone(ranks, left)
 
 
 def resolve_world(
@@ -161,17 +174,28 @@ class Rendezvous:
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self.prefix = f"rrpc/{restart}/{next(_generations)}/"
         self._gone: set[int] = set()  # ranks found dead at a barrier: nobody waits for them
+        self._store_lost = False  # a barrier found the store gone: leaving it would wait in vain
         self.hosting = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-        try:
+        # init_rpc's rendezvous ends by this, or by a store request's last look past it.
+        self.deadline = time.monotonic() + timeout
+
+        def open_store() -> dist.Store:
             try:
-                self.store = _open_store(host, port, world_size, self.hosting, timeout)
+                return _open_store(host, port, world_size, self.hosting, timeout)
             except Exception as exc:
                 if not (self.hosting and world_size is None and _address_in_use(exc)):
                     raise
                 # A dynamic group's store already serves there (a standalone
                 # server, torchrun's c10d endpoint): rank 0 is a member like any other.
                 self.hosting = False
-                self.store = _open_store(host, port, world_size, False, timeout)
+                return _open_store(host, port, world_size, False, timeout)
+
+        try:
+            # Under a time limit too: TCPStore's own timeout does not cover a
+            # store that accepts the connection and never answers (frozen).
+            self.store = self.request("connecting", open_store, timeout + DEADLINE_LOOK)
+        except StoreUnreachableError:
+            raise
         except Exception as exc:
             raise RpcError(
                 f"rank {rank} cannot reach the rendezvous store at {self.where}: {exc}"
@@ -227,7 +251,8 @@ class Rendezvous:
     def _wait(self, tag: str, timeout: float, doing: str) -> None:
         keys = self._keys(tag)
         try:
-            self.store.wait(keys, timedelta(seconds=timeout))
+            left = max(0.001, self.deadline - time.monotonic())
+            self.store.wait(keys, timedelta(seconds=left))
         except Exception as exc:
             missing = [rank for rank, key in enumerate(keys) if not self.store.check([key])]
             raise RpcError(
@@ -249,8 +274,16 @@ class Rendezvous:
         self, name: str, address: str, advertised: dict
     ) -> list[tuple[WorkerInfo, str, dict]]:
         """A static group: publish this worker, wait for all, and return every
-        worker's (WorkerInfo, address, what it advertised)."""
+        worker's (WorkerInfo, address, what it advertised), by the deadline
+        ``timeout`` set (plus a last look), whatever the store does."""
         assert self.world_size is not None, "a dynamic group joins through rrpc.membership"
+        limit = max(0.0, self.deadline - time.monotonic()) + DEADLINE_LOOK
+        return self.request("rendezvous", lambda: self._exchange(name, address, advertised), limit)
+
+    def _exchange(
+        self, name: str, address: str, advertised: dict
+    ) -> list[tuple[WorkerInfo, str, dict]]:
+        assert self.world_size is not None
         if self.store.add(f"{self.prefix}claim/{self.rank}", 1) > 1:
             raise RpcError(f"rank {self.rank} is claimed by more than one worker")
         self.mark_mode()
@@ -270,14 +303,15 @@ class Rendezvous:
         self,
         tag: str,
         timeout: float,
-        gone: Callable[[list[int]], bool] | None = None,
+        gone: Callable[[list[int], float], bool] | None = None,
         suspects: set[int] | frozenset[int] = frozenset(),
         deadline: float = math.inf,
     ) -> None:
         """Wait until every rank arrives (``timeout`` 0: no limit); or, with
         ``gone``, until every rank that has not arrived is one that ``gone``
-        confirms dead. (No-op with dynamic membership: there is no fixed set
-        of ranks to wait for.)
+        confirms dead (``gone(ranks, limit)`` probes them within ``limit``
+        seconds). (No-op with dynamic membership: there is no fixed set of
+        ranks to wait for.)
 
         It polls an arrival counter (one cheap store request per poll) rather
         than blocking in ``store.wait``: it must notice dead ranks while it
@@ -285,16 +319,24 @@ class Rendezvous:
         suspected dead (``suspects``, whose streams broke) are probed at once,
         others every few seconds.
 
+        It ends by its deadline (``timeout`` from now or ``deadline``, the
+        earlier): probes fit in what is left, and a store request (the last
+        look at who is missing, at the deadline) runs ``DEADLINE_LOOK`` past
+        it at most.
+
         If the store itself is gone (its host, rank 0's process, died) or does
         not answer (frozen, partitioned), the barrier passes when ``gone``
         confirms every other rank dead, and raises saying so otherwise."""
         if self.world_size is None:
             return
+        if timeout > 0:
+            deadline = min(deadline, time.monotonic() + timeout)
         try:
             self._barrier(tag, timeout, gone, suspects, deadline)
         except (dist.DistError, ConnectionError) as exc:
+            self._store_lost = True
             others = [rank for rank in range(self.world_size) if rank != self.rank]
-            if gone is not None and gone(others):
+            if _confirmed_gone(gone, others, deadline):
                 self._gone = set(others)
                 logs.event(
                     "declared-dead",
@@ -316,29 +358,27 @@ class Rendezvous:
         self,
         tag: str,
         timeout: float,
-        gone: Callable[[list[int]], bool] | None,
+        gone: Callable[[list[int], float], bool] | None,
         suspects: set[int] | frozenset[int],
-        deadline: float = math.inf,
+        deadline: float,
     ) -> None:
         assert self.world_size is not None
         store = self.store
         start = time.monotonic()
-        if timeout > 0:
-            deadline = min(deadline, start + timeout)
 
-        def limit() -> float:  # no store request outlasts the deadline
-            return max(0.0, min(REQUEST_LIMIT, deadline - time.monotonic()))
+        def limit() -> float:  # no store request runs past the deadline by more than a look
+            return min(REQUEST_LIMIT, max(DEADLINE_LOOK, deadline - time.monotonic()))
 
         def arrive() -> int:
             store.set(f"{self.prefix}{tag}/{self.rank}", "1")
             return store.add(counter, 1)
 
-        def missing(within: float | None = None) -> list[int]:
+        def missing() -> list[int]:
             keys = self._keys(tag)
             return self.request(
                 f"barrier {tag!r}",
                 lambda: [rank for rank, key in enumerate(keys) if not store.check([key])],
-                limit() if within is None else within,
+                limit(),
             )
 
         counter = f"{self.prefix}{tag}/arrived"
@@ -347,11 +387,20 @@ class Rendezvous:
         poll = threading.Event()  # never set: a timed wait between polls
         while arrived < self.world_size:
             now = time.monotonic()
+            if now >= deadline:
+                # One last look: who is missing (or nobody, after all).
+                absent = missing()
+                if not absent:
+                    return
+                raise RpcError(
+                    f"barrier {tag!r} at {self.where} timed out after {timeout:g} s: "
+                    f"rank(s) {absent} of world_size {self.world_size} never arrived"
+                )
             if gone is not None and now >= next_probe:
                 absent = missing()
                 if not absent:
                     return
-                if gone(absent):
+                if _confirmed_gone(gone, absent, deadline):
                     self._gone = set(absent)
                     logs.event(
                         "declared-dead",
@@ -362,29 +411,20 @@ class Rendezvous:
                         tag,
                     )
                     return
-                next_probe = now + (0.5 if suspects else 5.0)
-            if now >= deadline:
-                # Past the deadline: one short last look, to name who is missing.
-                raise RpcError(
-                    f"barrier {tag!r} at {self.where} timed out after {timeout:g} s: "
-                    f"rank(s) {missing(DEADLINE_LOOK)} of world_size {self.world_size} "
-                    "never arrived"
-                )
-            poll.wait(0.05 if now - start < 1.0 else 0.2)
-            if time.monotonic() >= deadline:
-                continue  # the check above names who is missing
-            arrived = self.request(
-                f"barrier {tag!r}", lambda: store.add(counter, 0), max(limit(), DEADLINE_LOOK)
-            )
+                next_probe = time.monotonic() + (0.5 if suspects else 5.0)
+            poll.wait(min(0.05 if now - start < 1.0 else 0.2, max(0.0, deadline - now)))
+            arrived = self.request(f"barrier {tag!r}", lambda: store.add(counter, 0), limit())
 
     def close(self, timeout: float = 10.0) -> None:
         """Leave; the host keeps the store until every rank has left it. Takes
-        about ``timeout`` seconds (a client whose store does not answer gives
-        up after at most ``REQUEST_LIMIT``, at least 1 s; that is logged)."""
+        at most ``timeout`` seconds, or ``LEAVE_GRACE`` if that is more (a
+        client whose store does not answer gives up then; that is logged)."""
         store = self.store
         del self.store
         if self.world_size is None:
             return  # a dynamic member left through rrpc.membership
+        if self._store_lost:
+            return  # the barrier logged it; nobody waits for this rank's word
         keys = [key for rank, key in enumerate(self._keys("left")) if rank not in self._gone]
 
         def leave() -> None:
@@ -395,7 +435,8 @@ class Rendezvous:
                 except Exception:
                     pass  # a peer that died cannot leave; the store goes anyway
 
-        limit = timeout + 1.0 if self.hosting else min(REQUEST_LIMIT, max(1.0, timeout))
+        limit = timeout + LEAVE_GRACE if self.hosting else min(REQUEST_LIMIT, timeout)
+        limit = max(LEAVE_GRACE, limit)
         try:
             self.request("leaving", leave, limit)
         except StoreUnreachableError:

@@ -84,14 +84,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rrpc.messages import RREF_ACCEPT, RREF_DELETE, RREF_FORK, RpcError, kind_name
+from rrpc.messages import RREF_ACCEPT, RREF_DELETE, RREF_FORK, ProtocolError, kind_name
 
 RRefId = tuple[int, int]  # (rank of the worker that created it, that worker's counter)
 ForkId = tuple[int, int]
-
-
-class ProtocolError(RpcError):
-    """An RRef protocol event that does not fit the state it arrived in."""
 
 
 def format_id(unique_id: tuple[int, int]) -> str:

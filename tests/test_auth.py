@@ -30,9 +30,9 @@ from test_tls import make_certificates
 
 import rrpc
 from harness import mp_context, run_workers
-from rrpc import auth, codec
+from rrpc import auth, wire
 from rrpc._proto.rrpc_pb2 import Envelope
-from rrpc.messages import HANDSHAKE, REPLY
+from rrpc.messages import HANDSHAKE, REPLY, AuthenticationError, ProtocolError
 
 TOKEN = "the-cluster-token"
 METHOD = "/rrpc.Worker/Exchange"
@@ -110,7 +110,7 @@ class _Impostor:
         elif record["mode"] == "no handshake":
             yield self._malicious
         elif record["mode"] == "forged handshake":
-            yield codec.handshake_frame(os.urandom(32), os.urandom(32)) + self._malicious
+            yield auth.handshake_frame(os.urandom(32), os.urandom(32)) + self._malicious
         drained.wait(60)  # until the caller goes away
 
     @staticmethod
@@ -382,10 +382,10 @@ def _frame_of(envelope):
 
 
 def test_a_handshake_frame_is_read_strictly():
-    frame = codec.handshake_frame(b"n" * 32, b"p" * 32)
-    handshake, rest = codec.read_handshake(frame + b"next frames")
+    frame = auth.handshake_frame(b"n" * 32, b"p" * 32)
+    handshake, rest = auth.read_handshake(frame + b"next frames")
     assert (handshake.nonce, handshake.proof, rest) == (b"n" * 32, b"p" * 32, b"next frames")
-    assert codec.FrameReader().feed(frame)[0].envelope.kind == HANDSHAKE
+    assert wire.FrameReader().feed(frame)[0].envelope.kind == HANDSHAKE
     not_handshakes = {
         "empty": b"",
         "a request": _malicious_replies("/nonexistent")[:200],
@@ -394,6 +394,53 @@ def test_a_handshake_frame_is_read_strictly():
         "with a payload": _frame_of(Envelope(kind=HANDSHAKE, payload_size=9)) + b"x" * 9,
     }
     for name, packet in not_handshakes.items():
-        with pytest.raises(codec.ProtocolError):
-            codec.read_handshake(packet)
+        with pytest.raises(ProtocolError):
+            auth.read_handshake(packet)
             pytest.fail(f"{name} was taken for a handshake")
+
+
+def _handshakes(caller_token=TOKEN, callee_token=TOKEN, dialled="127.0.0.1:5000"):
+    """Both ends of one stream's handshake, the callee at 127.0.0.1:5000."""
+    caller = auth.CallerHandshake(auth.Token(caller_token), (0, 1), dialled, "worker1")
+    callee = auth.CalleeHandshake(
+        auth.Token(callee_token), 0, 1, "127.0.0.1:5000", caller.nonce.hex()
+    )
+    return caller, callee
+
+
+def test_both_ends_of_a_handshake_run_on_bytes_alone():
+    caller, callee = _handshakes()
+    assert caller.proof is None  # nothing to send before the callee proved itself
+    assert caller.check(callee.frame + b"first reply") == b"first reply"
+    assert caller.proof is not None
+    assert callee.check(caller.proof + b"first request") == b"first request"
+
+
+def test_a_callee_refuses_a_caller_without_the_token_and_says_why_in_its_log_only():
+    caller, callee = _handshakes(caller_token="another")
+    with pytest.raises(AuthenticationError):  # the caller sees the callee's proof fail
+        caller.check(callee.frame)
+    forged = auth.handshake_frame(b"", auth.Token("another").proof(auth.CALLER, _binding()))
+    with pytest.raises(auth.Refused) as refused:
+        callee.check(forged)
+    assert refused.value.kind == "refused:proof"
+    assert str(refused.value) == f"{auth.REFUSED} (wrong auth proof: it does not know the token)"
+    with pytest.raises(auth.Refused, match="no auth handshake") as refused:
+        callee.check(b"")
+    assert refused.value.kind == "refused:proof"
+
+
+def test_a_callee_refuses_a_caller_whose_metadata_has_no_valid_nonce():
+    for nonce in ("", "zz", "ab" * (auth.NONCE_SIZE - 1)):
+        with pytest.raises(auth.Refused) as refused:
+            auth.CalleeHandshake(auth.Token(TOKEN), 0, 1, "127.0.0.1:5000", nonce)
+        assert refused.value.kind == "refused:nonce"
+
+
+def test_a_caller_refuses_a_callee_that_answers_for_another_address():
+    caller, callee = _handshakes(dialled="127.0.0.1:6000")
+    with pytest.raises(AuthenticationError, match="failed to prove it knows the auth token"):
+        caller.check(callee.frame)
+    assert caller.proof is None
+    with pytest.raises(AuthenticationError, match="ended the stream before it authenticated"):
+        caller.check(None)

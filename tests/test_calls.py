@@ -1,4 +1,5 @@
-"""The call table alone: no processes, no threads, no sockets (rrpc/calls.py)."""
+"""The call table and its deadline watch alone: no processes, no threads, no
+sockets (rrpc/calls.py); the scheduler is a list the test runs by hand."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import math
 
 import pytest
 
-from rrpc.calls import CallTable
+from rrpc.calls import CallTable, Deadlines
 from rrpc.messages import WorkerInfo
 
 pytestmark = pytest.mark.timeout(10)
@@ -93,3 +94,68 @@ def test_each_call_ends_exactly_once_whatever_ends_it_first():
     ended += [request_id for request_id in range(0, 100, 5) if table.settle(request_id)]
     ended += [call.request_id for call in table.close_all()]
     assert sorted(ended) == list(range(100))
+
+
+def test_a_call_opened_while_expired_scans_is_reported_as_earliest():
+    table = CallTable()
+    _open(table, 1, 1.0)  # deadline 101: the scan below ends it
+
+    class OpenDuringScan(dict):
+        def items(self):
+            snapshot = list(super().items())
+            # Another thread opens a call after the scan took its snapshot:
+            # the watcher must hear of it, the scan will not see it.
+            opened.append(_open(table, 2, 50.0, now=101.0))
+            return snapshot
+
+    opened: list[bool] = []
+    table._calls = OpenDuringScan(table._calls)
+    assert [call.request_id for call in table.expired(101.0)] == [1]
+    assert opened == [True]
+
+
+class _ManualScheduler:
+    """Entries the test runs itself: (when, fn, args, handle)."""
+
+    def __init__(self):
+        self.entries = []
+
+    def call_at(self, when, fn, *args):
+        handle = _Handle()
+        self.entries.append((when, fn, args, handle))
+        return handle
+
+    def live(self):
+        return [when for when, _, _, handle in self.entries if not handle.cancelled]
+
+    def run_due(self, now):
+        due = [e for e in self.entries if e[0] <= now and not e[3].cancelled]
+        self.entries = [e for e in self.entries if e not in due]
+        for _, fn, args, _ in due:
+            fn(*args)
+
+
+class _Handle:
+    cancelled = False
+
+    def cancel(self):
+        self.cancelled = True
+
+
+def test_deadlines_keep_one_entry_at_the_earliest_deadline(monkeypatch):
+    table, scheduler, expired = CallTable(), _ManualScheduler(), []
+    deadlines = Deadlines(table, scheduler, expired.append)
+    for request_id, timeout in [(1, 10.0), (2, 10.0), (3, 1.0), (4, 5.0)]:
+        if _open(table, request_id, timeout):
+            deadlines.watch(100.0 + timeout)
+    assert scheduler.live() == [101.0]  # moved once, to the earlier deadline
+
+    monkeypatch.setattr("rrpc.calls.time.monotonic", lambda: 101.0)
+    scheduler.run_due(101.0)
+    assert [call.request_id for call in expired] == [3]
+    assert scheduler.live() == [105.0]  # the next earliest of what remains
+
+    monkeypatch.setattr("rrpc.calls.time.monotonic", lambda: 110.0)
+    scheduler.run_due(110.0)
+    assert [call.request_id for call in expired] == [3, 1, 2, 4]  # in id order
+    assert scheduler.live() == [] and len(table) == 0

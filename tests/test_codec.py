@@ -14,10 +14,10 @@ import warnings
 import pytest
 import torch
 
-from rrpc import codec
+from rrpc import codec, wire
 from rrpc._proto.rrpc_pb2 import Envelope, SharedBuffer
-from rrpc.codec import FrameReader, ProtocolError
-from rrpc.messages import CALL, REPLY, MessageTooLargeError, SerializationError
+from rrpc.messages import CALL, REPLY, MessageTooLargeError, ProtocolError, SerializationError
+from rrpc.wire import FrameReader
 
 QUANTIZED_DTYPES = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
 
@@ -92,7 +92,7 @@ def round_trip(obj, packet_size: int = 1 << 20, max_message_size: int = 0):
     reader = FrameReader(max_message_size)
     frames = [
         frame
-        for packet in codec.packets(iter(out.pieces), packet_size)
+        for packet in wire.packets(iter(out.pieces), packet_size)
         for frame in reader.feed(packet)
     ]
     assert len(frames) == 1
@@ -261,7 +261,7 @@ def test_frames_reassemble_whatever_the_packet_size(packet_size):
     for request_id, tensor in enumerate(messages):
         pieces += codec.encode(REPLY, request_id, {"t": tensor, "i": request_id}).pieces
     reader = FrameReader()
-    frames = [f for p in codec.packets(iter(pieces), packet_size) for f in reader.feed(p)]
+    frames = [f for p in wire.packets(iter(pieces), packet_size) for f in reader.feed(p)]
     assert [f.envelope.request_id for f in frames] == [0, 1, 2, 3, 4]
     for request_id, frame in enumerate(frames):
         decoded = codec.loads(frame)
@@ -271,7 +271,7 @@ def test_frames_reassemble_whatever_the_packet_size(packet_size):
 
 def test_packets_are_never_larger_than_the_packet_size():
     pieces = codec.encode(CALL, 1, torch.zeros(10_000, dtype=torch.uint8)).pieces
-    sizes = [len(p) for p in codec.packets(iter(pieces), 4096)]
+    sizes = [len(p) for p in wire.packets(iter(pieces), 4096)]
     assert max(sizes) == 4096
     assert sum(sizes) == sum(len(p) for p in pieces)
 
@@ -322,17 +322,17 @@ def test_reader_counts_shared_memory_buffers_against_max_message_size():
 
 
 def test_a_message_of_more_tensors_than_a_frame_may_carry_is_refused_by_its_sender():
-    tensors = torch.zeros(codec.MAX_BUFFERS + 1).split(1)  # distinct tensors, one buffer each
+    tensors = torch.zeros(wire.MAX_BUFFERS + 1).split(1)  # distinct tensors, one buffer each
     with pytest.raises(MessageTooLargeError) as error:
         codec.encode(CALL, 1, (len, (tensors,), {}), peer="worker1")
-    assert f"{codec.MAX_BUFFERS + 1} tensor buffers" in str(error.value)
-    assert f"more than the {codec.MAX_BUFFERS}" in str(error.value)
+    assert f"{wire.MAX_BUFFERS + 1} tensor buffers" in str(error.value)
+    assert f"more than the {wire.MAX_BUFFERS}" in str(error.value)
     assert "worker1" in str(error.value)
 
 
 @pytest.mark.parametrize("whole", [True, False], ids=["in one packet", "cut across packets"])
 def test_reader_refuses_a_frame_of_more_buffers_than_the_limit_naming_both_numbers(whole):
-    count = codec.MAX_BUFFERS + 1
+    count = wire.MAX_BUFFERS + 1
     envelope = Envelope(kind=CALL, request_id=1, payload_size=0, buffer_sizes=[0] * count)
     frame = _raw_frame(envelope, b"")
     reader = FrameReader()
@@ -342,7 +342,7 @@ def test_reader_refuses_a_frame_of_more_buffers_than_the_limit_naming_both_numbe
         else:
             reader.feed(frame[:3])
             reader.feed(frame[3:])
-    assert f"{count} tensor buffers exceeds the limit of {codec.MAX_BUFFERS}" in str(error.value)
+    assert f"{count} tensor buffers exceeds the limit of {wire.MAX_BUFFERS}" in str(error.value)
 
 
 def _virtual_size() -> int:
@@ -365,7 +365,7 @@ def test_memory_is_taken_as_a_buffers_bytes_arrive_not_as_it_is_declared():
 
 
 def test_a_buffer_larger_than_grow_from_arrives_whole_and_writable_whatever_the_cut():
-    big = torch.arange((codec.GROW_FROM + (5 << 20)) // 8, dtype=torch.int64)
+    big = torch.arange((wire.GROW_FROM + (5 << 20)) // 8, dtype=torch.int64)
     small = torch.randn(3)
     data = b"".join(bytes(p) for p in codec.encode(CALL, 1, (big, small)).pieces)
     for cut in (1 << 20, 7_777_777, len(data)):

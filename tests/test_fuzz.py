@@ -41,9 +41,9 @@ import torch
 
 import rrpc
 from harness import mp_context, run_workers
-from rrpc import auth, codec, messages
+from rrpc import auth, codec, messages, wire
 from rrpc._proto.rrpc_pb2 import Envelope
-from rrpc.messages import CALL, ERROR, REPLY, MessageTooLargeError
+from rrpc.messages import CALL, ERROR, REPLY, MessageTooLargeError, ProtocolError
 
 TOKEN = "fuzz-token"
 METHOD = "/rrpc.Worker/Exchange"
@@ -98,7 +98,7 @@ class _CreatesFile:
 # -- Frames ----------------------------------------------------------------------
 
 
-def _frame_bytes(outgoing: codec.Outgoing) -> bytes:
+def _frame_bytes(outgoing: wire.Outgoing) -> bytes:
     return b"".join(bytes(piece) for piece in outgoing.pieces)
 
 
@@ -140,7 +140,7 @@ def _seed_frames() -> list[bytes]:
 
 def _split(frame: bytes):
     """(envelope, payload, buffers) of a valid frame."""
-    (head_size,) = codec.HEADER.unpack_from(frame)
+    (head_size,) = wire.HEADER.unpack_from(frame)
     envelope = Envelope()
     envelope.ParseFromString(frame[4 : 4 + head_size])
     position = 4 + head_size
@@ -155,7 +155,7 @@ def _split(frame: bytes):
 
 def _join(envelope: Envelope, payload: bytes, buffers: list[bytes]) -> bytes:
     head = envelope.SerializeToString()
-    return codec.HEADER.pack(len(head)) + head + payload + b"".join(buffers)
+    return wire.HEADER.pack(len(head)) + head + payload + b"".join(buffers)
 
 
 _KINDS = [*messages.KIND_NAMES, 0, 4, 99, 2**32 - 1]
@@ -262,12 +262,12 @@ class Mutator:
         return frame[:position] + frame[position + self.rng.randint(1, 16) :]
 
     def _header(self, frame: bytes) -> bytes:
-        (size,) = codec.HEADER.unpack_from(frame)
+        (size,) = wire.HEADER.unpack_from(frame)
         new = self.rng.choice(
-            [0, 1, size - 1, size + 1, size * 2, codec.MAX_ENVELOPE_SIZE,
-             codec.MAX_ENVELOPE_SIZE + 1, 2**32 - 1, self.rng.randrange(2**32)]
+            [0, 1, size - 1, size + 1, size * 2, wire.MAX_ENVELOPE_SIZE,
+             wire.MAX_ENVELOPE_SIZE + 1, 2**32 - 1, self.rng.randrange(2**32)]
         )  # fmt: skip
-        return codec.HEADER.pack(new % 2**32) + frame[4:]
+        return wire.HEADER.pack(new % 2**32) + frame[4:]
 
     def _number(self, current: int) -> int:
         rng = self.rng
@@ -359,7 +359,7 @@ class Mutator:
             # broken one are unpickled before the stream ends.
             read = []
             try:
-                for frame in codec.FrameReader(LIMIT, _attach).frames_in(b"".join(frames)):
+                for frame in wire.FrameReader(LIMIT, _attach).frames_in(b"".join(frames)):
                     read.append(frame)
             except Exception:
                 pass
@@ -399,10 +399,10 @@ def _attach(shared):
     raise _Refused(f"not a slot of this peer: {shared.segment!r}")
 
 
-_EXPECTED = (codec.ProtocolError, MessageTooLargeError, _Refused)
+_EXPECTED = (ProtocolError, MessageTooLargeError, _Refused)
 
 
-def _check_frame(frame: codec.Frame, reader: codec.FrameReader) -> None:
+def _check_frame(frame: wire.Frame, reader: wire.FrameReader) -> None:
     envelope = frame.envelope
     assert len(frame.payload) == envelope.payload_size
     assert len(frame.buffers) == len(envelope.buffer_sizes)
@@ -424,7 +424,7 @@ def _fuzz_reader(seed: int, streams: int) -> dict:
         mutator = Mutator(rng, corpus)
         frames = mutator.stream(rng.randint(1, 12))
         counts["frames"] += len(frames)
-        reader = codec.FrameReader(LIMIT, _attach if rng.random() < 0.8 else None)
+        reader = wire.FrameReader(LIMIT, _attach if rng.random() < 0.8 else None)
         try:
             for packet in mutator.packets(b"".join(frames)):
                 for frame in reader.feed(packet):
@@ -489,7 +489,7 @@ def _fuzz_stream(address, packets, token, timeout, prove=True):
             yield packet
 
     replies, status = [], "OK"
-    reader = codec.FrameReader()
+    reader = wire.FrameReader()
     with grpc.insecure_channel(address) as channel:
         call = channel.stream_stream(METHOD)(requests(), metadata=metadata, timeout=timeout)
         try:
@@ -498,7 +498,7 @@ def _fuzz_stream(address, packets, token, timeout, prove=True):
                     if frame.envelope.kind == messages.HANDSHAKE and prove:
                         binding = auth.Binding(0, 1, address, nonce, frame.envelope.handshake.nonce)
                         proof = auth.Token(token).proof(auth.CALLER, binding)
-                        outgoing.put(codec.handshake_frame(b"", proof))
+                        outgoing.put(auth.handshake_frame(b"", proof))
                         for packet_ in packets:
                             outgoing.put(packet_)
                         outgoing.put(None)
@@ -515,7 +515,7 @@ def _fuzz_stream(address, packets, token, timeout, prove=True):
 
 def _expected_requests(data: bytes) -> dict[int, int]:
     """What the target will read of ``data``, as the worker does: request id -> kind."""
-    reader = codec.FrameReader(LIMIT, _attach)
+    reader = wire.FrameReader(LIMIT, _attach)
     found: dict[int, int] = {}
     try:
         for frame in reader.feed(data):
@@ -537,7 +537,7 @@ def _awaiting_create():
     mutated id, even one whose creator rank is not in the world) waits for
     that CREATE, as the protocol says; rrpc does not refuse the impossible
     ones yet (see the report on issue #14)."""
-    context = rrpc.rref._ctx
+    context = rrpc.agent.current_agent().rrefs
     with context.lock:
         return sum(entry.awaiting_create for entry in context.owners.entries.values())
 

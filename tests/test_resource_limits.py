@@ -35,7 +35,7 @@ import torch
 
 import rrpc
 from harness import run_workers
-from rrpc import auth, codec, transport
+from rrpc import auth, codec, streams, wire
 from rrpc._proto.rrpc_pb2 import Envelope
 from rrpc.messages import CALL, HANDSHAKE
 
@@ -83,14 +83,14 @@ def _memory(pid):
 def _partial_frames():
     """On worker1: the frames its readers are in the middle of, each as the
     size of the buffer being filled, the bytes in it, and the memory mapped
-    for it (``codec._GrowingBuffer``)."""
+    for it (``wire._GrowingBuffer``)."""
     gc.collect()
     found = []
     for reader in gc.get_objects():
-        if isinstance(reader, codec.FrameReader) and reader._envelope is not None:
+        if isinstance(reader, wire.FrameReader) and reader._envelope is not None:
             target = reader._target
             mapped = None
-            if isinstance(target, codec._GrowingBuffer):  # nothing mapped before its first byte
+            if isinstance(target, wire._GrowingBuffer):  # nothing mapped before its first byte
                 mapped = 0 if target._map is None else len(target._map)
             found.append({"filled": reader._filled, "size": len(target), "mapped": mapped})
     return found
@@ -137,7 +137,7 @@ class _RawStream:
             yield packet
 
     def _read(self):
-        reader = codec.FrameReader()
+        reader = wire.FrameReader()
         try:
             for packet in self._call:
                 for frame in reader.feed(packet):
@@ -159,7 +159,7 @@ class _RawStream:
     def _prove(self, callee_nonce):
         binding = auth.Binding(0, 1, self._address, self._nonce, callee_nonce)
         self._outgoing.put(
-            codec.handshake_frame(b"", auth.Token(TOKEN).proof(auth.CALLER, binding))
+            auth.handshake_frame(b"", auth.Token(TOKEN).proof(auth.CALLER, binding))
         )
         self._authenticated.set()
 
@@ -407,13 +407,16 @@ def test_a_flood_of_200k_frames_is_served_whole(world):
 
 
 def test_another_callers_calls_complete_promptly_during_the_flood(world):
-    latencies = world["flood"]["latencies"]
+    latencies, flood = world["flood"]["latencies"], world["flood"]["flood seconds"]
     print(
-        f"{len(latencies)} calls during the flood: p50 {latencies[len(latencies) // 2] * 1e3:.1f}"
-        f" ms, max {latencies[-1] * 1e3:.1f} ms"
+        f"{len(latencies)} calls during the flood of {flood:.1f} s: p50 "
+        f"{latencies[len(latencies) // 2] * 1e3:.1f} ms, max {latencies[-1] * 1e3:.1f} ms"
     )
     assert len(latencies) >= 10  # they ran during the flood, not after it
-    assert latencies[-1] < 0.5  # 1.2-2.0 s without the per-peer bound
+    # As a share of the flood, which a loaded machine slows as much: here max
+    # 10-16 ms of 3.6 s (0.4 %); without the per-peer bound 1.2-2.0 s of 5.6-5.8 s
+    # (20-35 %): the other caller waited behind a large part of the flood.
+    assert latencies[-1] < 0.1 * flood
 
 
 def test_the_flood_leaves_the_target_s_memory_nearly_where_it_was(world):
@@ -424,7 +427,7 @@ def test_the_flood_leaves_the_target_s_memory_nearly_where_it_was(world):
 def test_nested_calls_beyond_the_bound_complete_instead_of_deadlocking(world):
     # The outer calls wait for calls of their own, which come behind them on
     # the same stream: they must not count against the bound while they wait.
-    assert NESTED > 2 * transport.PEER_IN_FLIGHT
+    assert NESTED > 2 * streams.PEER_IN_FLIGHT
     seen = world["nested"]
     print(f"{NESTED} nested calls at once: {seen['seconds']:.2f} s")
     assert seen["correct"]
@@ -439,7 +442,7 @@ def test_a_caller_that_does_not_read_its_replies_stops_being_read(world):
     print("400 calls of 768 KiB, replies unread:", seen)
     # What waits in worker1 is bounded: the backlog, plus what was admitted before it filled.
     held = seen["ran while unread"] * REPLY
-    assert held <= transport.REPLY_BACKLOG + (transport.PEER_IN_FLIGHT + 32) * REPLY, held
+    assert held <= streams.REPLY_BACKLOG + (streams.PEER_IN_FLIGHT + 32) * REPLY, held
     assert seen["ran while unread"] < UNREAD
     assert seen["during"]["rss"] - seen["before"]["rss"] < 200 * MiB
     assert seen["served meanwhile"] == "worker1"

@@ -23,7 +23,7 @@ from test_security import _CreatesFile, _encoded_call, _raw_exchange
 
 import rrpc
 from harness import run_command, run_workers
-from rrpc import codec
+from rrpc import codec, restricted
 from rrpc.functions import async_execution, expose
 from rrpc.messages import ERROR, REPLY
 
@@ -440,26 +440,15 @@ def test_the_parameter_server_example_runs_in_restricted_mode(tmp_path):
 # -- Resources a pickle can claim --------------------------------------------------
 
 
-@pytest.fixture
-def restricted_codec():
-    codec.set_restricted(True)
-    try:
-        yield
-    finally:
-        codec.set_restricted(False)
-
-
 @pytest.mark.parametrize("opcode", [b"r", b"j"])  # LONG_BINPUT, LONG_BINGET
-def test_a_nine_byte_pickle_naming_a_huge_memo_index_is_refused_before_unpickling(
-    restricted_codec, opcode
-):
+def test_a_nine_byte_pickle_naming_a_huge_memo_index_is_refused_before_unpickling(opcode):
     # CPython 3.11 grows its memo to twice the index and clears every slot, with
     # the GIL held: index 2**28 cost 8.9 s and 4 GiB of memory here.
     data = b"\x80\x05N" + opcode + (1 << 28).to_bytes(4, "little") + b"."
     start = time.monotonic()
-    with pytest.raises(codec.RefusedGlobalError, match="memo index 268435456"):
-        codec.unpickle(data)
+    with pytest.raises(restricted.RefusedGlobalError, match="memo index 268435456"):
+        restricted.loads(data)
     assert time.monotonic() - start < 1.0
     shared = {"a": (1, 2)}  # memoized once, named again: small indices pass
     value = [shared, shared, [3.0]]
-    assert codec.unpickle(pickle.dumps(value, protocol=2)) == value
+    assert restricted.loads(pickle.dumps(value, protocol=2)) == value

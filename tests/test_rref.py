@@ -650,12 +650,16 @@ def _drop_then_shut_down(rank, world_size):
     rrpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size)
     at_stop = {}
     if rank == 1:
-        # Runs before rrpc.rref's own on_stop hook forgets the tables.
-        agent_hooks.on_stop.insert(
-            0, lambda: at_stop.update(info=rrpc.rref_debug_info(), counts=_counts())
-        )
+        # Read once the agent has stopped, before the RRef service forgets its tables.
+        service = agent_hooks.current_agent().rrefs
+        stop = service.stop
+
+        def read_then_stop():
+            at_stop.update(info=rrpc.rref_debug_info(), counts=_counts())
+            stop()
+
+        service.stop = read_then_stop
         rrpc.shutdown()
-        agent_hooks.on_stop.pop(0)
         return at_stop
     rrefs = [rrpc.remote("worker1", Counted, args=(i,)) for i in range(200)]
     kept = rrefs.pop()

@@ -1,4 +1,4 @@
-"""The transport without sockets: the sending side (``transport.Outbox``:
+"""The streams without sockets: the sending side (``streams.Outbox``:
 batching, lingering, ending), the readers' turns, and the bound on a peer's
 requests in flight."""
 
@@ -8,8 +8,9 @@ import weakref
 import numpy as np
 import pytest
 
-from rrpc import codec, options, transport
+from rrpc import codec, options, streams, wire
 from rrpc._proto.rrpc_pb2 import Envelope
+from rrpc.messages import ProtocolError
 
 
 def _frame(i: int) -> list[bytes]:
@@ -18,7 +19,7 @@ def _frame(i: int) -> list[bytes]:
 
 def _outbox(open_exchanges: int, delay: float = 300e-6, min_open: int = 16):
     """An outbox with ``open_exchanges`` requests sent and unanswered, nothing queued."""
-    outbox = transport.Outbox(packet_size=1 << 20, batch_delay=delay, batch_min_open=min_open)
+    outbox = streams.Outbox(packet_size=1 << 20, batch_delay=delay, batch_min_open=min_open)
     for i in range(open_exchanges):
         outbox.put(_frame(i))
     list(_take(outbox, open_exchanges))
@@ -36,7 +37,7 @@ def _take(outbox, frames: int):
 
 
 def test_frames_queued_together_go_out_as_one_packet():
-    outbox = transport.Outbox(packet_size=1 << 20)
+    outbox = streams.Outbox(packet_size=1 << 20)
     for i in range(5):
         outbox.put(_frame(i))
     assert next(outbox.packets()) == b"".join(piece for i in range(5) for piece in _frame(i))
@@ -73,7 +74,7 @@ def test_zero_delay_turns_lingering_off():
 
 
 def test_open_exchanges_count_frames_sent_against_frames_received():
-    outbox = transport.Outbox(packet_size=1 << 20)
+    outbox = streams.Outbox(packet_size=1 << 20)
     for i in range(10):
         outbox.put(_frame(i))
     outbox.received += 4
@@ -83,7 +84,7 @@ def test_open_exchanges_count_frames_sent_against_frames_received():
 
 
 def test_end_sends_what_is_queued_then_stops():
-    outbox = transport.Outbox(packet_size=1 << 20)
+    outbox = streams.Outbox(packet_size=1 << 20)
     outbox.put(_frame(0))
     outbox.put(_frame(1))
     outbox.end()
@@ -91,12 +92,12 @@ def test_end_sends_what_is_queued_then_stops():
 
 
 def test_end_with_an_error_sends_what_is_queued_then_raises_it():
-    outbox = transport.Outbox(packet_size=1 << 20)
+    outbox = streams.Outbox(packet_size=1 << 20)
     outbox.put(_frame(0))
-    outbox.end(codec.ProtocolError("malformed"))
+    outbox.end(ProtocolError("malformed"))
     packets = outbox.packets()
     assert next(packets) == _frame(0)[0]
-    with pytest.raises(codec.ProtocolError, match="malformed"):
+    with pytest.raises(ProtocolError, match="malformed"):
         next(packets)
 
 
@@ -117,13 +118,13 @@ def _packet(*names: str) -> bytes:
 def _turns(packets, waiting_partner: bool):
     """Run one reader over ``packets`` on this thread; with ``waiting_partner``
     as if the other reader were waiting for the turn. Returns what it did."""
-    outbox = transport.Outbox(packet_size=1 << 20)
+    outbox = streams.Outbox(packet_size=1 << 20)
     seen = []
-    readers = transport._TakeTurns(
+    readers = streams.TakeTurns(
         iter(packets),
-        codec.FrameReader(),
-        outbox,
+        wire.FrameReader(),
         lambda frame, inline: seen.append((codec.loads(frame), inline)),
+        outbox=outbox,
     )
     readers._waiting = 1 if waiting_partner else 0
     readers.run()
@@ -149,7 +150,7 @@ def test_of_a_batched_packet_only_the_last_request_may_run_inline():
 def test_a_malformed_packet_ends_the_stream_with_its_error():
     seen, outbox = _turns([_packet("a"), b"\xff\xff\xff\x7fgarbage"], waiting_partner=True)
     assert seen == [("a", True)]
-    with pytest.raises(codec.ProtocolError):
+    with pytest.raises(ProtocolError):
         list(outbox.packets())
 
 
@@ -158,18 +159,18 @@ def test_a_packet_of_many_frames_is_handed_out_in_order_without_keeping_any():
     # handed out once, in order, and the reader keeps no reference to it
     # afterwards (pop(0) on the list made such a packet cost N squared).
     frames = [b"".join(bytes(p) for p in codec.encode(10, i, i).pieces) for i in range(20_000)]
-    outbox = transport.Outbox(1 << 20)
+    outbox = streams.Outbox(1 << 20)
     seen: list[int] = []
     previous: list[weakref.ref] = []
     held: list[int] = []
 
-    def on_frame(frame: codec.Frame) -> None:
+    def on_frame(frame: wire.Frame) -> None:
         if previous and previous[0]() is not None:
             held.append(frame.envelope.request_id)  # the frame before is still referenced
         seen.append(frame.envelope.request_id)
         previous[:] = [weakref.ref(frame)]
 
-    transport._read_frames(iter([b"".join(frames)]), codec.FrameReader(), on_frame, outbox)
+    streams.read_frames(iter([b"".join(frames)]), wire.FrameReader(), on_frame, outbox)
     assert seen == list(range(20_000))
     assert outbox.received == 20_000
     assert held == []
@@ -177,25 +178,32 @@ def test_a_packet_of_many_frames_is_handed_out_in_order_without_keeping_any():
 
 # -- Requests in flight per peer --------------------------------------------------
 def test_a_peer_at_its_bound_waits_until_one_of_its_requests_is_taken_up():
-    in_flight = transport._InFlight(limit=2)
+    in_flight = streams.InFlight(limit=2)
     assert in_flight.take(1, lambda: False) and in_flight.take(1, lambda: False)
-    taken = threading.Event()
+    at_bound, taken = threading.Event(), threading.Event()
+
+    def at_the_bound() -> bool:
+        # take() asks whether the stream ended under its lock, right before it
+        # waits: once this is set, give() (which needs the lock) finds it waiting.
+        at_bound.set()
+        return False
 
     def third():
-        in_flight.take(1, lambda: False)
+        in_flight.take(1, at_the_bound)
         taken.set()
 
     waiter = threading.Thread(target=third)
     waiter.start()
-    assert not taken.wait(0.2)  # at the bound: it waits
+    assert at_bound.wait(30)
+    assert not taken.is_set()  # at the bound: it waits
     in_flight.give()  # a pool thread decoded one
-    assert taken.wait(5)
-    waiter.join(5)
+    assert taken.wait(30)
+    waiter.join(30)
     assert in_flight.count == 2
 
 
 def test_a_reader_waiting_at_the_bound_gives_up_when_its_stream_ends():
-    in_flight = transport._InFlight(limit=1)
+    in_flight = streams.InFlight(limit=1)
     in_flight.take(1, lambda: False)
     ended = threading.Event()
     outcome = []
@@ -210,7 +218,7 @@ def test_a_reader_waiting_at_the_bound_gives_up_when_its_stream_ends():
 
 def test_a_frame_is_consumed_once_when_decoded():
     consumed: list[int] = []
-    (frame,) = codec.FrameReader().feed(_packet("a"))
+    (frame,) = wire.FrameReader().feed(_packet("a"))
     frame.on_consumed = lambda: consumed.append(1)
     assert codec.loads(frame) == "a"
     assert consumed == [1]
@@ -220,41 +228,41 @@ def test_a_frame_is_consumed_once_when_decoded():
 
 def test_a_frame_dropped_undecoded_is_consumed_when_its_last_reference_goes():
     consumed: list[int] = []
-    (frame,) = codec.FrameReader().feed(_packet("a"))
+    (frame,) = wire.FrameReader().feed(_packet("a"))
     frame.on_consumed = lambda: consumed.append(1)
     del frame
     assert consumed == [1]
 
 
 def test_a_frame_heavier_than_the_bound_goes_through_alone():
-    in_flight = transport._InFlight(limit=4)
+    in_flight = streams.InFlight(limit=4)
     assert in_flight.take(10, lambda: False)  # nothing else in flight
     assert in_flight.count == 10
 
 
 def test_a_frame_weighs_one_request_more_per_buffers_per_request_buffers():
-    def frame_with(buffers: int) -> codec.Frame:
-        return codec.Frame(Envelope(), b"", [np.empty(0, dtype=np.uint8)] * buffers)
+    def frame_with(buffers: int) -> wire.Frame:
+        return wire.Frame(Envelope(), b"", [np.empty(0, dtype=np.uint8)] * buffers)
 
-    per = transport.BUFFERS_PER_REQUEST
-    assert [transport._weight(frame_with(n)) for n in (0, per - 1, per, 3 * per)] == [1, 1, 2, 4]
+    per = streams.BUFFERS_PER_REQUEST
+    assert [streams.weight(frame_with(n)) for n in (0, per - 1, per, 3 * per)] == [1, 1, 2, 4]
 
 
 def test_requests_are_admitted_in_order_and_reading_stops_when_admission_fails():
     admitted: list[str] = []
     handed: list[str] = []
 
-    def admit(frame: codec.Frame) -> bool:
+    def admit(frame: wire.Frame) -> bool:
         name = codec.loads(frame)
         admitted.append(name)
         return name != "c"  # the stream ended while "c" waited
 
-    readers = transport._TakeTurns(
+    readers = streams.TakeTurns(
         iter([_packet("a", "b", "c", "d"), _packet("e")]),
-        codec.FrameReader(),
-        transport.Outbox(packet_size=1 << 20),
+        wire.FrameReader(),
         lambda frame, inline: handed.append(codec.loads(frame)),
         admit,
+        outbox=streams.Outbox(packet_size=1 << 20),
     )
     readers.run()
     assert admitted == ["a", "b", "c"]

@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, SupportsIndex
 import torch
 from torch import nn
 
-from rrpc import codec
+from rrpc import codec, restricted
 from rrpc.api import get_worker_info, rpc_async, rpc_sync
 from rrpc.messages import RpcError, WorkerInfo
 from rrpc.rref import RRef, remote
@@ -87,6 +87,7 @@ _REMOTE_MODULE_ATTRIBUTES_IGNORE_FOR_PICKLING = (
 
 
 # -- Run on the module's owner -------------------------------------------------
+@restricted.allow_call  # the module class must be exposed to arrive
 def _create_module(module_cls: Callable[..., Any], args: tuple, kwargs: dict, device: str) -> Any:
     module = module_cls(*args, **kwargs)
     if not isinstance(module, nn.Module):
@@ -98,18 +99,22 @@ def _create_module(module_cls: Callable[..., Any], args: tuple, kwargs: dict, de
     return module
 
 
+@restricted.allow_call
 def _param_rrefs(module_rref: RRef[nn.Module], recurse: bool) -> list[RRef[nn.Parameter]]:
     return [RRef(param) for param in module_rref.local_value().parameters(recurse)]
 
 
+@restricted.allow_call
 def _train(module_rref: RRef[nn.Module], mode: bool) -> None:
     module_rref.local_value().train(mode)
 
 
+@restricted.allow_call
 def _eval(module_rref: RRef[nn.Module]) -> None:
     module_rref.local_value().eval()
 
 
+@restricted.allow_call
 def _forward_on_owner(module_rref: RRef[nn.Module], device: str, args: tuple, kwargs: dict) -> Any:
     """The module's ``forward`` on a CUDA device: tensor arguments go there
     first; outputs come back through CPU memory, as every tensor does."""
@@ -144,12 +149,14 @@ class _GeneratedMethods:
     """
 
     @staticmethod
+    @restricted.allow
     def forward_async(self: _RemoteModule, *args: Any, **kwargs: Any) -> torch.futures.Future:
         """Run the remote module's ``forward(*args, **kwargs)`` on its owner;
         return a Future of the result."""
         return _call_forward(self, args, kwargs, sync=False)
 
     @staticmethod
+    @restricted.allow
     def forward(self: _RemoteModule, *args: Any, **kwargs: Any) -> Any:
         """Run the remote module's ``forward(*args, **kwargs)`` on its owner and
         return the result."""
@@ -226,6 +233,7 @@ def _pickling_for_rpc() -> bool:
     return codec.current_peer() is not None
 
 
+@restricted.allow
 def _remote_module_receiver(*remote_module_pickled_attrs: Any) -> RemoteModule:
     """Rebuild a RemoteModule sent over RPC (its RRef is already unpickled)."""
     remote_module = object.__new__(RemoteModule)
@@ -499,6 +507,7 @@ class _RemoteModule(nn.Module):
                 )
 
     @staticmethod
+    @restricted.allow_call
     def init_from_module_rref(
         remote_device: str,
         module_rref: RRef[nn.Module],

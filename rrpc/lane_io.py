@@ -1,0 +1,276 @@
+"""Bytes on a lane's Unix socket: the opening exchange, reads, and ordered writes.
+
+Both ends of a lane (``lane.py``, the caller's; ``lane_listener.py``, the
+callee's) use these. The socket is non-blocking; a thread that must wait
+for it waits in ``poll``, so that a reader can re-check its own reply (its
+deadline, a break) while no byte comes, and a writer never blocks while it
+holds the write lock.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import select
+import socket
+import struct
+import threading
+from typing import Any
+
+from rrpc import auth, wire
+from rrpc._proto.rrpc_pb2 import Envelope
+from rrpc.messages import ERROR, AuthenticationError
+
+RECV_SIZE = 256 << 10  # bytes asked of the socket per read
+IOV_MAX = 512  # pieces per sendmsg (Linux allows 1024)
+POLL_SLICE_MS = 100  # a leader re-checks its own reply (deadline, break) this often
+HANDSHAKE_TIMEOUT = 10.0  # seconds either end has to finish the handshake
+
+# The opening exchange, before any frame (sizes fixed; all integers little-endian):
+#
+#   caller -> callee   MAGIC (8) | caller rank (q) | caller nonce (32)
+#   callee -> caller   callee rank (q) | callee nonce (32) | callee proof (32)
+#   caller -> callee   caller proof (32)
+#   callee -> caller   ACCEPTED (1 byte), or REFUSED and the socket closes
+#
+# Without a token the proofs are 32 zero bytes and are not checked: the lane
+# then trusts what the socket's directory lets in (this user's processes).
+MAGIC = b"rrpclan1"
+# After the opening exchange only frames cross (``wire``). A frame with request
+# id 0 is the callee's last word: its payload is why it closes the lane (UTF-8
+# text, not a pickle), e.g. a request over its ``max_message_size``.
+GOODBYE_ID = 0
+ACCEPTED, REFUSED = b"\x01", b"\x00"
+HELLO = struct.Struct(f"<8sq{auth.NONCE_SIZE}s")
+ANSWER = struct.Struct(f"<q{auth.NONCE_SIZE}s{auth.PROOF_SIZE}s")
+NO_PROOF = bytes(auth.PROOF_SIZE)
+
+
+def lane_key() -> str:
+    """Equal on two workers that may open a lane: same boot, pid namespace,
+    user and network namespace (as TensorPipe checks before its shm transport)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as boot:
+            boot_id = boot.read().strip()
+        pid_ns = os.stat("/proc/self/ns/pid").st_ino
+        net_ns = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        return ""
+    return f"{boot_id}/{pid_ns}/{net_ns}/{os.getuid()}"
+
+
+class LaneBroken(ConnectionError):
+    """The lane's socket ended or failed (the calls open on it then fail with
+    ``PeerUnavailableError``, naming the peer)."""
+
+
+# -- Bytes on a non-blocking socket --------------------------------------------
+def wait(sock: socket.socket, events: int, timeout_ms: int) -> None:
+    poller = select.poll()
+    poller.register(sock.fileno(), events)
+    poller.poll(timeout_ms)
+
+
+def recv(sock: socket.socket, timeout_ms: int = -1) -> bytes | None:
+    """Bytes from the socket; None if none came within ``timeout_ms``.
+    Raises LaneBroken at the end of the stream or on a socket error."""
+    for _ in range(2):
+        try:
+            data = sock.recv(RECV_SIZE)
+        except BlockingIOError:
+            wait(sock, select.POLLIN, timeout_ms)
+            continue
+        except OSError as exc:
+            raise LaneBroken(f"lane read failed: {exc}") from exc
+        if not data:
+            raise LaneBroken("lane closed by its peer")
+        return data
+    return None
+
+
+def recv_exactly(sock: socket.socket, size: int, deadline_ms: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = _recv_limited(sock, size - len(data), deadline_ms)
+        if chunk is None:
+            raise AuthenticationError("lane handshake timed out")
+        data += chunk
+    return data
+
+
+def _recv_limited(sock: socket.socket, size: int, timeout_ms: int) -> bytes | None:
+    for _ in range(2):
+        try:
+            data = sock.recv(size)
+        except BlockingIOError:
+            wait(sock, select.POLLIN, timeout_ms)
+            continue
+        except OSError as exc:
+            raise LaneBroken(f"lane read failed: {exc}") from exc
+        if not data:
+            raise LaneBroken("lane closed by its peer")
+        return data
+    return None
+
+
+class Writer:
+    """One direction of a lane's socket: frames written in order, by any thread.
+
+    ``write`` sends what the socket takes at once, from the calling thread;
+    the rest (the socket's buffer is full: a large frame, or a peer that reads
+    slowly) waits in ``backlog`` for the lane's sender thread, and every later
+    frame queues behind it, so frames never interleave. ``wait_for_room``
+    blocks while more than ``limit`` bytes wait (the callee's readers call it
+    before reading another request)."""
+
+    def __init__(self, sock: socket.socket, name: str, limit: int):
+        self._sock = sock
+        self._name = name
+        self._limit = limit
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._backlog: collections.deque[memoryview] = collections.deque()
+        self.backlog_bytes = 0
+        self._sender: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def write(self, pieces: list[Any]) -> None:
+        with self._lock:
+            if self.error is not None:
+                raise LaneBroken(str(self.error))
+            if not self._backlog:
+                pieces = self._send_now(pieces)
+                if not pieces:
+                    return
+            for piece in pieces:
+                view = memoryview(piece).cast("B")
+                self._backlog.append(view)
+                self.backlog_bytes += len(view)
+            if self._sender is None:
+                self._sender = threading.Thread(
+                    target=self._send_backlog, name=f"rrpc-lane-send-{self._name}", daemon=True
+                )
+                self._sender.start()
+            self._changed.notify_all()
+
+    def _send_now(self, pieces: list[Any]) -> list[Any]:
+        """Send what the socket takes without waiting; the pieces left over."""
+        while pieces:
+            try:
+                sent = self._sock.sendmsg(pieces[:IOV_MAX])
+            except BlockingIOError:
+                return pieces
+            except OSError as exc:
+                self.error = LaneBroken(f"lane write failed: {exc}")
+                raise self.error from exc
+            pieces = advance(pieces, sent)
+        return pieces
+
+    def _send_backlog(self) -> None:
+        with self._lock:
+            while self.error is None:
+                if not self._backlog:
+                    self._changed.wait()
+                    continue
+                pieces = list(self._backlog)[:IOV_MAX]
+                try:
+                    sent = self._sock.sendmsg(pieces)
+                except BlockingIOError:
+                    self._lock.release()
+                    try:
+                        wait(self._sock, select.POLLOUT, POLL_SLICE_MS)
+                    finally:
+                        self._lock.acquire()
+                    continue
+                except OSError as exc:
+                    self.error = LaneBroken(f"lane write failed: {exc}")
+                    break
+                self.backlog_bytes -= sent
+                while sent:
+                    head = self._backlog[0]
+                    if len(head) <= sent:
+                        sent -= len(head)
+                        self._backlog.popleft()
+                    else:
+                        self._backlog[0] = head[sent:]
+                        sent = 0
+                self._changed.notify_all()
+            self._backlog.clear()
+            self.backlog_bytes = 0
+            self._changed.notify_all()
+
+    def wait_for_room(self) -> bool:
+        """Wait while more than ``limit`` bytes wait to go; False if the lane broke."""
+        if self.backlog_bytes <= self._limit:
+            return self.error is None
+        with self._lock:
+            while self.backlog_bytes > self._limit and self.error is None:
+                self._changed.wait()
+            return self.error is None
+
+    def drain(self, timeout: float) -> None:
+        """Wait (at most ``timeout`` s) until every frame written went to the socket."""
+        with self._lock:
+            self._changed.wait_for(lambda: not self._backlog or self.error is not None, timeout)
+
+    def fail(self, error: BaseException) -> None:
+        with self._lock:
+            if self.error is None:
+                self.error = error
+            self._changed.notify_all()
+
+
+def advance(pieces: list[Any], sent: int) -> list[Any]:
+    """``pieces`` without their first ``sent`` bytes."""
+    index = 0
+    while index < len(pieces):
+        length = memoryview(pieces[index]).nbytes
+        if sent < length:
+            if sent:
+                return [memoryview(pieces[index]).cast("B")[sent:], *pieces[index + 1 :]]
+            return pieces[index:]
+        sent -= length
+        index += 1
+    return []
+
+
+def shut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+def goodbye(reason: str) -> list[bytes]:
+    """The frame a callee sends before it closes a lane because of ``reason``."""
+    text = reason.encode()
+    head = Envelope(kind=ERROR, request_id=GOODBYE_ID, payload_size=len(text)).SerializeToString()
+    return [wire.HEADER.pack(len(head)) + head + text]
+
+
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def peer_pid(sock: socket.socket) -> int:
+    """The pid of the process at the other end of a Unix socket (as the kernel
+    recorded it when the socket connected: it cannot be forged)."""
+    pid, _, _ = _PEERCRED.unpack(
+        sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+    )
+    return int(pid)
+
+
+def unresponsive(pid: int) -> str | None:
+    """Why process ``pid`` of this host cannot answer (stopped, a zombie, gone),
+    or None if it is running. A lane's liveness check: on one host, the
+    kernel says at once what a keepalive ping would find out after a timeout."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            state = stat.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return f"process {pid} is gone"
+    if state in (b"T", b"t"):
+        return f"process {pid} is stopped"
+    if state in (b"Z", b"X"):
+        return f"process {pid} has exited"
+    return None

@@ -1,0 +1,187 @@
+"""The same-host lane, callee's end: this worker's lane socket and the threads serving it.
+
+See ``lane.py`` for the lane's theory of operation. A caller is served
+exactly as on a gRPC stream (``transport.Server``): it proves the cluster
+token first (the opening exchange in ``lane_io``), then two threads take
+turns reading its requests (``streams.TakeTurns``), its requests count
+against its bound of requests in flight (``streams.Admission``, shared
+with its gRPC streams), and its replies go straight to the socket from the
+thread that produced them (``lane_io.Writer``), whose backlog bounds the
+replies waiting unsent (``streams.REPLY_BACKLOG``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import socket
+import struct
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from rrpc import auth, logs, streams, wire
+from rrpc.lane_io import (
+    ACCEPTED,
+    ANSWER,
+    HANDSHAKE_TIMEOUT,
+    HELLO,
+    MAGIC,
+    NO_PROOF,
+    REFUSED,
+    LaneBroken,
+    Writer,
+    goodbye,
+    recv,
+    recv_exactly,
+    shut,
+)
+from rrpc.messages import AuthenticationError
+
+# -- The callee's end -------------------------------------------------------------
+RequestHandler = Callable[[wire.Frame, int, Callable[[list[Any]], None], bool], None]
+
+
+class Listener:
+    """This worker's lane socket: accepts callers, and serves each with two
+    threads taking turns (as a gRPC stream is served).
+
+    ``on_request(frame, caller_rank, respond, inline)`` is the agent's."""
+
+    def __init__(
+        self,
+        rank: int,
+        on_request: RequestHandler,
+        token: auth.Token | None,
+        reader: Callable[[int], wire.FrameReader],
+        admission: Callable[[int], streams.InFlight],
+    ):
+        self.rank = rank
+        self._on_request = on_request
+        self._token = token
+        self._new_reader = reader
+        self._admission = admission
+        base = os.environ.get("XDG_RUNTIME_DIR") or None
+        self.directory = tempfile.mkdtemp(prefix="rrpc-lane-", dir=base)  # mode 0700
+        self.path = os.path.join(self.directory, "lane.sock")
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.bind(self.path)
+        self._sock.listen(128)
+        self._stopped = False
+        self._served: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(
+            target=self._accept, name=f"rrpc-lane-accept-{rank}", daemon=True
+        )
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._stopped:
+            try:
+                sock, _ = self._sock.accept()
+            except OSError:
+                return
+            with self._lock:
+                if self._stopped:
+                    sock.close()
+                    return
+                self._served.add(sock)
+            threading.Thread(
+                target=self._serve, args=(sock,), name=f"rrpc-lane-serve-{self.rank}", daemon=True
+            ).start()
+
+    def _handshake(self, sock: socket.socket) -> int:
+        """The caller's rank, once it proved the token."""
+        deadline_ms = int(HANDSHAKE_TIMEOUT * 1000)
+        hello = recv_exactly(sock, HELLO.size, deadline_ms)
+        magic, caller_rank, caller_nonce = HELLO.unpack(hello)
+        if magic != MAGIC:
+            raise AuthenticationError("not an rrpc lane hello")
+        callee_nonce = auth.new_nonce()
+        binding = auth.Binding(caller_rank, self.rank, self.path, caller_nonce, callee_nonce)
+        proof = self._token.proof(auth.CALLEE, binding) if self._token else NO_PROOF
+        sock.setblocking(True)
+        sock.settimeout(HANDSHAKE_TIMEOUT)
+        sock.sendall(ANSWER.pack(self.rank, callee_nonce, proof))
+        sock.setblocking(False)
+        caller_proof = recv_exactly(sock, auth.PROOF_SIZE, deadline_ms)
+        if self._token is not None and not self._token.verify(auth.CALLER, binding, caller_proof):
+            sock.sendall(REFUSED)
+            raise AuthenticationError(f"rank {caller_rank} did not prove the cluster token")
+        sock.sendall(ACCEPTED)
+        return caller_rank
+
+    def _serve(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        try:
+            caller_rank = self._handshake(sock)
+        except (AuthenticationError, LaneBroken, OSError, struct.error) as exc:
+            logs.event("lane-refused", "lane", "%s: lane caller refused: %s", self.rank, exc)
+            self._drop(sock)
+            return
+        writer = Writer(sock, f"{self.rank}<-{caller_rank}", limit=streams.REPLY_BACKLOG)
+
+        def respond(pieces: list[Any]) -> None:
+            try:
+                writer.write(pieces)
+            except LaneBroken:
+                pass  # the caller is gone; its end reports it
+
+        in_flight = self._admission(caller_rank)
+
+        def on_frame(frame: wire.Frame, inline: bool) -> None:
+            weight = streams.weight(frame)  # taken by the reader (admit, below)
+            frame.on_consumed = (
+                in_flight.give if weight == 1 else functools.partial(in_flight.give, weight)
+            )
+            self._on_request(frame, caller_rank, respond, inline)
+
+        turns = streams.TakeTurns(
+            _packets(sock, writer),
+            self._new_reader(caller_rank),
+            on_frame,
+            admit=streams.admit_with(in_flight, writer.wait_for_room, lambda: writer.error),
+        )
+        partner = threading.Thread(
+            target=turns.run, name=f"rrpc-lane-serve-{self.rank}", daemon=True
+        )
+        partner.start()
+        turns.run()
+        partner.join()
+        if turns.stream.error is not None:  # a malformed frame: tell the caller why
+            respond(goodbye(f"{type(turns.stream.error).__name__}: {turns.stream.error}"))
+            writer.drain(1.0)
+        in_flight.wake()
+        writer.fail(LaneBroken("lane ended"))
+        self._drop(sock)
+
+    def _drop(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._served.discard(sock)
+        shut(sock)
+        sock.close()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            served = list(self._served)
+        shut(self._sock)
+        self._sock.close()
+        for sock in served:
+            shut(sock)
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _packets(sock: socket.socket, writer: Writer) -> Iterator[bytes]:
+    """The bytes a caller sends, until it closes its end (then StopIteration)."""
+    while True:
+        try:
+            data = recv(sock)
+        except LaneBroken as exc:
+            if writer.error is None and "closed by its peer" in str(exc):
+                return
+            raise streams.StreamBroken(str(exc)) from exc
+        if data is not None:
+            yield data

@@ -1,0 +1,492 @@
+"""The RRef protocol's driver for one run: its sender thread, the owner's handlers, drain.
+
+The decisions (who counts which fork, when a value is freed, what to send)
+are in ``rref_protocol.py``; what users hold (``RRef``, ``remote()``, the
+proxies) in ``rref.py``. This file drives the tables for one run
+(``init_rpc`` .. ``shutdown``): it turns pickling, unpickling, garbage
+collection and replies into protocol events, sends the messages the tables
+ask for, and serves the protocol's message kinds (``rrpc/worker.py``
+registers them). It also runs, on the owner, what a call naming an RRef asks
+of its value (``_invoke_on_owner`` and its siblings).
+
+Rules:
+
+- One ``RRefService`` per run, held by the agent (``agent.rrefs``). Its lock
+  guards both tables; nothing is sent and no value is freed while holding it
+  (a reply callback may run inline in ``agent.send``; a value's ``__del__`` may
+  do anything).
+- ``RRef.__del__`` only puts an event on a ``SimpleQueue`` (``dropped``: safe
+  from any thread, even inside a garbage collection that interrupts code
+  holding a lock). One sender thread per run turns those drops into protocol
+  events and sends every protocol message (FORK, ACCEPT, DELETE); replies come
+  back on the agent's threads and feed the tables again.
+- DELETEs wait up to ``rref_delete_delay`` on the sender thread and go as one
+  message per owner, naming every fork let go meanwhile: a loop that drops an
+  RRef per iteration then costs the owner one message per few iterations, not
+  one each. Nothing else waits (a delete frees, it never unblocks a caller),
+  and a drain sends what is held at once.
+- Protocol messages have no timeout: the protocol is only correct if each is
+  answered. A dead peer fails them at once (the agent notices), and a graceful
+  shutdown waits for them (``RRefService.drain``).
+- A protocol message known never to have left (fault injection dropped it)
+  is sent again (``Agent.send_reliably``), as torch's agent retries its RRef
+  messages; it counts as in flight until answered.
+- Pickling an RRef is a fork (``fork``); it happens only inside an rrpc
+  message, where ``codec.current_peer()`` names the destination (or,
+  unpickling, the sender: ``receive_owned``, ``receive_user``).
+- No error is raised out of a torch Future here, and a value's error is a
+  ``Failed`` result (``rref_values.py`` says why).
+
+Values on the owner live in the owner ``RRef`` object (``_future``: a
+``torch.futures.Future`` of the value, pending while ``remote()``'s function
+runs). The owner table holds that object while users refer to it, so an RRef
+that comes back to its owner unpickles as the very same object.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import itertools
+import logging
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from rrpc import agent as agent_module
+from rrpc import autograd as dist_autograd
+from rrpc import codec, functions, logs, restricted
+from rrpc.agent import Agent, Deferred
+from rrpc.functions import async_execution, is_async_execution
+from rrpc.futures import on_done, outcome
+from rrpc.messages import (
+    RREF_ACCEPT,
+    RREF_CREATE_FAILED,
+    RREF_DELETE,
+    RREF_FORK,
+    PeerUnavailableError,
+    RpcError,
+    WorkerInfo,
+    kind_name,
+)
+from rrpc.rref_protocol import (
+    UNCONFIRMED,
+    ForkId,
+    OwnerTable,
+    ProtocolError,
+    RRefId,
+    Send,
+    UserTable,
+    format_id,
+)
+from rrpc.rref_values import Failed, evaluate_into, forward, result
+
+log = logging.getLogger("rrpc")
+
+_DROP, _SEND, _FLUSH = "drop", "send", "flush"
+_MAX_HELD_DELETES = 256  # held DELETEs go at once when one owner has this many
+
+
+class RRefService:
+    """The RRef protocol of one run on this worker: its tables, its sender
+    thread, its handlers (``serve_*``); see the module doc.
+
+    ``make_placeholder(service, rref_id)`` makes the owner RRef of a value
+    another worker will create here (``rref.placeholder``): a FORK or FETCH
+    that overtook its CREATE holds it meanwhile."""
+
+    def __init__(self, agent: Agent, make_placeholder: Callable[[RRefService, RRefId], Any]):
+        self.agent = agent
+        self.rank = agent.info.id
+        self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)  # notified when a message is answered
+        self.owners = OwnerTable(self.rank, functools.partial(make_placeholder, self))
+        self.users = UserTable(self.rank)
+        # Protocol messages sent and not answered yet (FORK is counted as an
+        # unconfirmed fork in the user table instead).
+        self.in_flight = {RREF_ACCEPT: 0, RREF_DELETE: 0, RREF_CREATE_FAILED: 0}
+        # Forks received from a non-owner, until the owner answers their FORK:
+        # a message that brought one runs only then (as in torch).
+        self.confirmations: dict[ForkId, torch.futures.Future] = {}
+        # Local ids from 0, as torch's; a rank that rejoined a dynamic group starts
+        # past its earlier incarnations' ids, which peers may still hold.
+        self._ids = itertools.count(agent.incarnation << 32)
+        # DELETEs held back (see the rules): owner rank -> forks, and when the
+        # oldest of them was dropped. Only the sender thread touches these.
+        self.delete_delay = agent.options.rref_delete_delay
+        self._held_deletes: dict[int, list[tuple[RRefId, ForkId]]] = {}
+        self._held_since = 0.0
+        self.events: queue.SimpleQueue = queue.SimpleQueue()
+        self.released: set[ForkId] = set()  # forks let go of by release_user_forks
+        self.running = True
+        self._sender = threading.Thread(
+            target=self._run_sender, name=f"rrpc-rref-{agent.info.name}", daemon=True
+        )
+        self._sender.start()
+
+    def new_id(self) -> tuple[int, int]:
+        return (self.rank, next(self._ids))  # next() on a count is atomic under the GIL
+
+    def dropped(self, fork_id: ForkId) -> None:
+        """A user RRef is gone (its ``__del__``): only queued, for the sender thread."""
+        self.events.put((_DROP, fork_id))
+
+    # -- Sending -----------------------------------------------------------------
+    def post(self, sends: list[Send]) -> None:
+        if sends:
+            self.events.put((_SEND, sends))
+
+    def _run_sender(self) -> None:
+        while True:
+            if self._held_deletes:
+                linger = self._held_since + self.delete_delay - time.monotonic()
+                try:
+                    event = self.events.get(timeout=max(0.0, linger))
+                except queue.Empty:
+                    self._send_deletes()
+                    continue
+            else:
+                event = self.events.get()
+            if event is None:
+                return
+            what, item = event
+            try:
+                if what == _DROP:
+                    with self.lock:
+                        if item in self.released:  # let go of at leave already
+                            self.released.discard(item)
+                            continue
+                        sends = self.users.dropped(item)
+                    self._send_all(sends)
+                elif what == _SEND:
+                    self._send_all(item)
+                else:  # _FLUSH: everything queued before it is sent
+                    self._send_deletes()
+                    item.set()
+                if self._held_deletes and not self.delete_delay:
+                    self._send_deletes()
+            except Exception:
+                log.exception("rrpc: RRef protocol event %s %s failed", what, item)
+
+    def _send_deletes(self) -> None:
+        held, self._held_deletes = self._held_deletes, {}
+        for owner, forks in held.items():
+            self._send(Send(RREF_DELETE, owner, tuple(forks)))
+
+    def _send_all(self, sends: list[Send]) -> None:
+        for send in sends:
+            if send.kind in self.in_flight:
+                with self.lock:
+                    self.in_flight[send.kind] += 1
+            if send.kind != RREF_DELETE:
+                self._send(send)
+                continue
+            if not self._held_deletes:
+                self._held_since = time.monotonic()
+            forks = self._held_deletes.setdefault(send.to, [])
+            forks.append(send.payload)
+            if len(forks) >= _MAX_HELD_DELETES:
+                self._send_deletes()
+
+    def _send(self, send: Send) -> None:
+        """Send one protocol message; its answer (or failure) goes to ``_answered``."""
+        try:
+            peer = self.agent.worker_info(send.to)
+            what = f"RRef message {kind_name(send.kind)}"
+            future = self.agent.send_reliably(peer, send.kind, send.payload, 0, what)
+        except BaseException as exc:
+            self._answered(send, exc)
+            return
+        on_done(future, functools.partial(self._on_reply, send))
+
+    def _on_reply(self, send: Send, future: torch.futures.Future) -> None:
+        self._answered(send, outcome(future)[1])
+
+    def _answered(self, send: Send, error: BaseException | None) -> None:
+        if not self.running:
+            return  # the session is over and its tables are gone
+        if error is not None and not isinstance(error, PeerUnavailableError):
+            logs.event("rref-message", str(send.to), "%r failed: %s", send, error)
+        if send.kind == RREF_FORK:
+            self._confirmed(send.payload[1], error)
+            return
+        with self.lock:
+            # A DELETE names several forks, each counted when it was queued.
+            self.in_flight[send.kind] -= len(send.payload) if send.kind == RREF_DELETE else 1
+            self.changed.notify_all()
+
+    def _confirmed(self, fork_id: ForkId, error: BaseException | None) -> list[Send]:
+        """The owner answered the CREATE or FORK of ``fork_id``; send what follows."""
+        waiting = None
+        try:
+            with self.lock:
+                waiting = self.confirmations.pop(fork_id, None)
+                sends = self.users.confirmed(fork_id, counted=error is None)
+                self.changed.notify_all()
+        except ProtocolError:
+            log.exception("rrpc: confirmation of fork %s", format_id(fork_id))
+            return []
+        finally:
+            if waiting is not None:
+                waiting.set_result(None)  # the message runs; a failed fork raises on use
+        self.post(sends)
+        return sends
+
+    # -- remote() confirmations --------------------------------------------------
+    def on_created(self, rref_id: RRefId, fork_id: ForkId, owner: int, future) -> None:
+        """The owner answered our CREATE: the fork is counted, or it never will be."""
+        if not self.running:
+            return
+        error = outcome(future)[1]
+        self._confirmed(fork_id, error)
+        if error is not None and not isinstance(error, PeerUnavailableError):
+            self.post([Send(RREF_CREATE_FAILED, owner, (rref_id,))])
+
+    # -- A user's side ----------------------------------------------------------
+    def created(self, rref_id: RRefId, fork_id: ForkId, owner: int) -> None:
+        """remote() is about to send the CREATE of ``fork_id`` to ``owner``."""
+        with self.lock:
+            self.users.created(rref_id, fork_id, owner)
+
+    def forget(self, fork_id: ForkId) -> None:
+        """remote()'s CREATE could not be sent: the fork never existed."""
+        with self.lock:
+            self.users.forget(fork_id)
+
+    def confirmed_fork(self, fork_id: ForkId) -> bool:
+        """Whether the owner counted user fork ``fork_id``."""
+        with self.lock:
+            state = self.users.state(fork_id)
+        return state is not None and state != UNCONFIRMED
+
+    # -- Forks (pickling and unpickling an RRef) --------------------------------
+    def fork(self, rref_id: RRefId, fork_id: ForkId | None, holder: Any) -> ForkId:
+        """An RRef is pickled for another worker: its copy's fork id, counted
+        (on the owner, ``fork_id`` None) or a pending child (on a user)."""
+        child = self.new_id()
+        with self.lock:
+            if fork_id is None:
+                self.owners.fork_to_user(rref_id, child, holder)
+            else:
+                self.users.fork_child(fork_id, child)
+        return child
+
+    def undo_fork(self, rref_id: RRefId, fork_id: ForkId | None, child: ForkId) -> None:
+        """The message a fork was pickled into is not sent after all."""
+        released = None
+        sends: list[Send] = []
+        try:
+            with self.lock:
+                if fork_id is None:
+                    released = self.owners.delete(rref_id, child)
+                else:
+                    sends = self.users.child_accepted(child)
+        except ProtocolError:
+            log.exception("rrpc: undoing fork %s of RRef %s", format_id(child), format_id(rref_id))
+        del released
+        self.post(sends)
+
+    def receive_owned(self, rref_id: RRefId, fork_id: ForkId, sender: WorkerInfo) -> Any:
+        """An RRef this worker owns came back from ``sender``: the owner RRef
+        itself. A message naming a value still being created runs after it."""
+        if rref_id[0] != self.rank:
+            # A value another worker created here: that worker must exist, or
+            # a placeholder would wait for a CREATE that can never come.
+            self.agent.worker_info(rref_id[0])
+        with self.lock:
+            holder, sends = self.owners.receive(rref_id, fork_id, sender.id)
+        self.post(sends)
+        if holder._future is not None and not holder._future.done():
+            # Its remote() has not finished here: the message that names it
+            # runs after, as everything the sender sent before it did.
+            codec.wait_for(holder._future)
+        return holder
+
+    def receive_user(
+        self, rref_id: RRefId, fork_id: ForkId, owner_rank: int, sender: WorkerInfo
+    ) -> None:
+        """A user RRef arrived from ``sender``: from a user, the owner must count
+        it first (FORK), and the message that brought it runs once it has."""
+        confirmed = None
+        with self.lock:
+            sends = self.users.received(rref_id, fork_id, owner_rank, sender.id)
+            if sends:  # a FORK to the owner: the message runs once it is answered
+                confirmed = self.confirmations[fork_id] = torch.futures.Future()
+        self.post(sends)
+        if confirmed is not None:
+            codec.wait_for(confirmed)
+
+    # -- Serving (the owner's side) ----------------------------------------------
+    def holder(self, rref_id: RRefId) -> Any:
+        """The owner RRef a call names by id (a placeholder while its CREATE has not run)."""
+        with self.lock:
+            return self.owners.holder(rref_id)
+
+    def serve_create(self, payload: tuple, caller: WorkerInfo) -> Any:
+        rref_id, fork_id, func, args, kwargs = payload
+        with self.lock:
+            holder = self.owners.create(rref_id, fork_id)
+        # Counted; the reply (the user's confirmation) goes once the value is set.
+        return evaluate_into(holder._future, func, args, kwargs)
+
+    def serve_fetch(self, payload: tuple, caller: WorkerInfo) -> Any:
+        (rref_id,) = payload
+        with self.lock:
+            holder = self.owners.fetch(rref_id)
+        value = holder._future
+        if value.done():
+            return result(value)
+        # Not created yet: reply when it is. An error then travels as a Failed
+        # result (see the rules), which the user's sync_result raises.
+        reply: torch.futures.Future = torch.futures.Future()
+        on_done(value, functools.partial(forward, reply))
+        return Deferred(reply)
+
+    def serve_fork(self, payload: tuple, caller: WorkerInfo) -> None:
+        rref_id, fork_id = payload
+        with self.lock:
+            self.owners.fork_request(rref_id, fork_id)
+
+    def serve_accept(self, payload: tuple, caller: WorkerInfo) -> None:
+        (child_id,) = payload
+        with self.lock:
+            sends = self.users.child_accepted(child_id)
+        self.post(sends)
+
+    def serve_delete(self, payload: tuple, caller: WorkerInfo) -> None:
+        released = []
+        with self.lock:
+            for rref_id, fork_id in payload:
+                released.append(self.owners.delete(rref_id, fork_id))
+        del released  # values may be freed here, outside the lock
+
+    def serve_create_failed(self, payload: tuple, caller: WorkerInfo) -> None:
+        (rref_id,) = payload
+        with self.lock:
+            holder = self.owners.creation_failed(rref_id)
+        if holder is not None and not holder._future.done():
+            error = RpcError(
+                f"remote() creating RRef {format_id(rref_id)} on {self.agent.info.name} "
+                f"failed on {caller.name} before it ran (see the error remote() got there)"
+            )
+            holder._future.set_result(Failed(error))
+
+    # -- Debugging ---------------------------------------------------------------
+    def debug_info(self) -> dict[str, int]:
+        """``rref_debug_info()``: this worker's RRef bookkeeping, as counts."""
+        with self.lock:
+            return {
+                "num_owner_rrefs": len(self.owners.entries),
+                "num_owner_forks": self.owners.num_forks(),
+                **self.users.counts(),
+                "num_pending_deletes": self.in_flight[RREF_DELETE],
+                "num_pending_accepts": self.in_flight[RREF_ACCEPT],
+            }
+
+    def owner_forks(self) -> dict[RRefId, set[ForkId]]:
+        with self.lock:
+            return {rref_id: set(entry.forks) for rref_id, entry in self.owners.entries.items()}
+
+    # -- Shutdown ----------------------------------------------------------------
+    def pending(self) -> dict[str, int]:
+        counts = self.users.counts()
+        pending = {
+            "pending confirmations": counts["num_pending_confirmations"],
+            "pending forks": counts["num_pending_forks"],
+            "pending children": counts["num_pending_children"],
+        }
+        pending.update({f"{kind_name(k)} in flight": n for k, n in self.in_flight.items()})
+        return {name: n for name, n in pending.items() if n}
+
+    def release_user_forks(self) -> None:
+        """Leaving a dynamic group while others stay: let go of every user RRef
+        still held here, as if the application had dropped it, so that the
+        owners may free the values (``drain`` then waits for the DELETEs)."""
+        with self.lock:
+            sends = []
+            for fork in list(self.users.forks.values()):
+                if fork.alive:
+                    self.released.add(fork.fork_id)
+                    sends += self.users.dropped(fork.fork_id)
+        self.post(sends)
+
+    def drain(self, timeout: float) -> None:
+        """Wait until every confirmation, child and protocol message is answered."""
+        gc.collect()  # RRefs in reference cycles: drop them now, not after shutdown
+        deadline = time.monotonic() + timeout
+        while True:
+            flushed = threading.Event()
+            self.events.put((_FLUSH, flushed))
+            flushed.wait(None if deadline == math.inf else max(0.0, deadline - time.monotonic()))
+            with self.lock:
+                pending = self.pending()
+                if not pending and flushed.is_set():
+                    return
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                # Answers notify; the poll covers drops queued by __del__ meanwhile.
+                self.changed.wait(min(remaining, 0.05))
+        raise RpcError(
+            f"shutdown of {self.agent.info.name}: RRef protocol still waiting after "
+            f"{timeout:g} s: {pending or 'queued events'}"
+        )
+
+    def stop(self) -> None:
+        self.running = False
+        self.events.put(None)
+        if self._sender is not threading.current_thread():
+            self._sender.join(5.0)
+        with self.lock:
+            released = list(self.owners.entries.values())
+            self.owners.entries.clear()
+            self.users.forks.clear()
+            self.users.pending_children.clear()
+        del released
+
+
+# -- Calls that name an RRef, on its owner ---------------------------------------
+def _owner_rref(target: Any) -> Any:
+    """On the owner: the owner RRef a call names, itself or by id (a
+    placeholder while its CREATE has not run yet)."""
+    if not isinstance(target, tuple):  # the RRef itself (an RRefId is a tuple)
+        return target
+    return agent_module.current_agent().rrefs.holder(target)
+
+
+@restricted.allow_call  # checks the method: check_method
+@async_execution
+def _invoke_on_owner(target: Any, method: str, args: tuple, kwargs: dict) -> torch.futures.Future:
+    """On the owner: ``getattr(value, method)(*args, **kwargs)``, as a Future so
+    that an ``async_execution`` method's reply waits for its own Future."""
+    value = _owner_rref(target).local_value()
+    if agent_module.current_agent().options.restricted:
+        functions.check_method(value, method)
+    bound = getattr(value, method)
+    if is_async_execution(bound):
+        return bound(*args, **kwargs)
+    # An error is raised here, not set on the Future: see the rules.
+    result: torch.futures.Future = torch.futures.Future()
+    result.set_result(bound(*args, **kwargs))
+    return result
+
+
+@restricted.allow_call
+def _backward_on_owner(target: Any, context_id: int, retain_graph: bool) -> None:
+    value = _owner_rref(target).local_value()
+    if not isinstance(value, torch.Tensor):
+        raise RuntimeError("RRef should contain a tensor for .backward()")
+    if context_id == -1:
+        value.backward(retain_graph=retain_graph)
+    else:
+        dist_autograd.backward(context_id, [value], retain_graph=retain_graph)
+
+
+@restricted.allow_call
+def _rref_typeof_on_owner(target: Any) -> type:  # torch's name, in profiles
+    return type(_owner_rref(target).local_value())

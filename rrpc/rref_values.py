@@ -1,0 +1,137 @@
+"""An RRef's value as futures hold it, and reading it without keeping frames alive.
+
+Rules:
+
+- No error is raised out of a torch Future here (``wait()``/``value()`` that
+  raise): torch's raise puts the Future into the error's traceback, and the
+  Future holds the error from C++, invisible to the garbage collector, so the
+  cycle never goes and keeps every frame of the raising stack alive (an RRef
+  held by any of them would never be deleted). Futures are read with
+  ``futures.outcome`` (drops that traceback); a value's error is kept as a
+  ``Failed`` result, never with ``set_exception``, and raised as a copy
+  (``result``). Calls read at once (``rpc_sync()`` proxies, most
+  ``to_here()``) wait on an agent ``SyncReply`` instead, which raises its own
+  fresh error and keeps none (``sync_result``).
+- Values on the owner live in the owner ``RRef`` object (``_future``: a
+  ``torch.futures.Future`` of the value, pending while ``remote()``'s function
+  runs); ``evaluate_into`` runs that function into it.
+"""
+
+from __future__ import annotations
+
+import math
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from rrpc import agent as agent_module
+from rrpc import functions, restricted
+from rrpc.agent import Deferred
+from rrpc.functions import async_result_error, is_async_execution
+from rrpc.futures import SyncReply, copy_error, on_done, outcome, wait_until
+from rrpc.messages import RpcTimeoutError
+
+
+@restricted.allow
+class Failed:
+    """The value of an RRef whose function raised: ``error``, without its frames."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+    def __reduce__(self) -> tuple:
+        return Failed, (self.error,)
+
+
+def kept(error: BaseException) -> Failed:
+    """Keep ``error`` as a value: its traceback becomes a note, its frames go."""
+    if error.__traceback__ is not None and hasattr(error, "add_note"):  # Python >= 3.11
+        text = "".join(traceback.format_tb(error.__traceback__))
+        error.add_note(f"Traceback of the function behind the RRef:\n{text.rstrip()}")
+    return Failed(error.with_traceback(None))
+
+
+def result(future: torch.futures.Future) -> Any:
+    """``future.wait()`` for a done future, raising errors (and Failed values) as copies."""
+    value, error = outcome(future)
+    del future  # not in the frame that the raise below puts into the traceback
+    if isinstance(value, Failed):
+        error = value.error
+    if error is not None:
+        raise copy_error(error)
+    return value
+
+
+def complete(target: torch.futures.Future, source: torch.futures.Future) -> None:
+    """Set value future ``target`` from a call's future ``source``."""
+    value, error = outcome(source)
+    target.set_result(value if error is None else Failed(error))
+
+
+def forward(reply: torch.futures.Future, value: torch.futures.Future) -> None:
+    reply.set_result(value.wait())  # a value future never holds an exception
+
+
+def evaluate_into(
+    future: torch.futures.Future, func: Callable, args: tuple, kwargs: dict
+) -> Deferred | None:
+    """Run ``func`` into ``future`` (an error is kept there, for to_here to raise).
+
+    Returns None when ``future`` is set, or a Deferred that completes once an
+    ``async_execution`` function's future has set it."""
+    try:
+        if agent_module.current_agent().options.restricted:
+            functions.check_call(func)
+        returned = func(*args, **kwargs)
+    except BaseException as exc:
+        if isinstance(exc, TypeError):  # a builtin's wrong arguments: torch's RuntimeError
+            exc = functions.builtin_argument_error(func, args, kwargs) or exc
+        future.set_result(kept(exc))
+        return None
+    if not is_async_execution(func):
+        future.set_result(returned)
+        return None
+    error = async_result_error(func, returned)
+    if error is not None:
+        future.set_result(Failed(error))
+        return None
+    set_: torch.futures.Future = torch.futures.Future()
+
+    def finish(done: torch.futures.Future) -> None:
+        complete(future, done)
+        set_.set_result(None)
+
+    on_done(returned, finish)
+    return Deferred(set_)
+
+
+def sync_result(reply: SyncReply) -> Any:
+    """``result`` for a call's ``SyncReply``: its error is its own (fresh from
+    the reply), a Failed value is raised as a copy."""
+    value = reply.wait()
+    if isinstance(value, Failed):
+        raise copy_error(value.error)
+    return value
+
+
+def complete_created(
+    target: torch.futures.Future, timed_out: BaseException, source: torch.futures.Future
+) -> None:
+    """``complete`` for remote() to this worker: a timeout is the creation's."""
+    value, error = outcome(source)
+    if isinstance(error, RpcTimeoutError):
+        error = timed_out
+    target.set_result(value if error is None else Failed(error))
+
+
+def wait_result(future: torch.futures.Future, timeout: float, what: str) -> Any:
+    """``result(future)`` once done, within ``timeout`` (0: none) or RpcTimeoutError."""
+    if not wait_until(future, timeout or math.inf):
+        raise RpcTimeoutError(
+            f"{what} timed out after {timeout:g} s: RPC ran for more than its timeout"
+        )
+    return result(future)

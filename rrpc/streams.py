@@ -1,0 +1,508 @@
+"""A stream's mechanics, whatever carries it: its state, sending, admission, reading in turns.
+
+Nothing here knows gRPC or sockets. A carrier (``transport.py``: a gRPC
+stream; a same-host lane) hands in the packets it receives as an iterator
+and sends what an ``Outbox`` yields (or writes its own way); the rest is here.
+
+Theory of operation:
+
+- **Sending** (``Outbox``): each direction of a stream is a byte stream of
+  frames cut into packets (``wire.packets``). A sender thread takes
+  everything queued at the moment it wakes and sends it as one packet, so
+  small messages batch themselves under load and a large one flows in
+  bounded chunks under the carrier's flow control. When many exchanges are
+  open on the stream, the sender also lingers a fraction of a millisecond
+  before cutting a packet: each gRPC message costs ~100 µs of Python per side
+  here, so packets of 10-40 frames instead of 2-3 halve the CPU per call
+  under load, while a lone call never waits.
+- **Serving** (``TakeTurns``): two threads take turns reading an incoming
+  stream. The one that read a lone request passes the turn on and may run the
+  request itself, sparing the hand-off to a pool thread.
+- **Admission** (``InFlight``): one calling peer cannot starve the others.
+  Its requests read and waiting to be run are bounded (``PEER_IN_FLIGHT``,
+  across all its streams); at the bound its streams' readers stop reading,
+  the carrier's flow control fills and the peer's sends wait, while other
+  peers' requests go on. Replies waiting unsent count too
+  (``REPLY_BACKLOG``): past it, the stream's requests are not read.
+
+The state of a stream (``StreamState``) is one field, moved only by
+``StreamState.move`` through one table::
+
+    state            event          next state       when
+    ---------------  -------------  ---------------  -----------------------------------------
+    OPENING          AUTHENTICATE   AUTHENTICATING   it opened with a token: the handshake runs
+    OPENING          START          OPEN             it opened without one
+    AUTHENTICATING   PROVEN         OPEN             the peer proved it knows the token
+    AUTHENTICATING   EXPIRE         CLOSED           it did not, in time (the stream is cancelled)
+    OPEN             HALF_CLOSE     HALF_CLOSED      the peer sent its last frame: what is open
+                                                     is answered, then the stream ends
+    OPEN             EXPIRE         OPEN             the handshake's timer went off as the proof
+    HALF_CLOSED      EXPIRE         HALF_CLOSED        came in: nothing to do
+    all but CLOSED   END            CLOSED           it ended: answered, broken, refused, stopped
+    CLOSED           any            CLOSED           an end that another thread learns late
+
+Any other event is a bug in rrpc: ``move`` raises ``StreamStateError``
+naming the state and the event (a START or a HALF_CLOSE while
+AUTHENTICATING would read frames of a peer that never proved itself).
+
+Rules:
+- Frames are read only while the stream is OPEN: with a token, neither end
+  reads a frame of the other before the handshake (``auth.py``) is over.
+- ``move`` is the only writer of ``StreamState.state``; any thread may read
+  it without a lock (one attribute). A move wakes whoever waits on the state.
+- A stream that ends drops its reader's partial frame at once, and no frame
+  stays referenced while the next packet is awaited: a received tensor may
+  hold a peer's shared-memory slot until its last reference goes.
+- The one copy on the way out is the ``join`` that builds a packet, straight
+  from the tensors' memory (gRPC sends only ``bytes``).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from rrpc import wire
+from rrpc.futures import mark_transport_thread
+
+# Requests of one calling peer that this worker may hold read and not yet
+# decoded (queued for the worker pool). Another peer's request waits behind
+# at most this many of a flooder's: during a flood of 200,000 tiny calls,
+# another caller's calls took at most 12-40 ms here with 64, 74-100 ms with
+# 256. A pool decodes 64 in a few milliseconds, so a caller with more calls
+# in flight than that is not slowed (64 calls in flight: 18-24k calls/s
+# with 64, 16-17k with 256, same runs).
+PEER_IN_FLIGHT = 64
+# A frame weighs one request more per this many tensor buffers: each buffer
+# costs the receiver an object for as little as one byte on the wire.
+BUFFERS_PER_REQUEST = 256
+# Reply bytes a stream may hold unsent (its caller reads slower than this
+# worker answers, or not at all) before the stream's requests stop being
+# read. What is admitted already still runs and answers, so a stream holds at
+# most this plus the replies of the requests in flight; a caller that reads
+# gets every reply.
+REPLY_BACKLOG = 64 << 20
+
+_CLOSE = object()  # queued to end a stream's sending side
+
+FrameHandler = Callable[[wire.Frame], object]  # what it returns is not used
+
+
+# -- The state of one stream --------------------------------------------------------
+class State(enum.Enum):
+    OPENING = "opening"
+    AUTHENTICATING = "authenticating"
+    OPEN = "open"
+    HALF_CLOSED = "half-closed"
+    CLOSED = "closed"
+
+
+class Event(enum.Enum):
+    AUTHENTICATE = "authenticate"
+    START = "start"
+    PROVEN = "proven"
+    EXPIRE = "expire"
+    HALF_CLOSE = "half-close"
+    END = "end"
+
+
+OPENING, AUTHENTICATING, OPEN, HALF_CLOSED, CLOSED = State
+AUTHENTICATE, START, PROVEN, EXPIRE, HALF_CLOSE, END = Event
+
+# The table of the module docstring: state -> {event: next state}.
+_TRANSITIONS: dict[State, dict[Event, State]] = {
+    OPENING: {AUTHENTICATE: AUTHENTICATING, START: OPEN, END: CLOSED},
+    AUTHENTICATING: {PROVEN: OPEN, EXPIRE: CLOSED, END: CLOSED},
+    OPEN: {HALF_CLOSE: HALF_CLOSED, EXPIRE: OPEN, END: CLOSED},
+    HALF_CLOSED: {EXPIRE: HALF_CLOSED, END: CLOSED},
+    CLOSED: {event: CLOSED for event in Event},
+}
+
+
+class StreamStateError(RuntimeError):
+    """An event arrived in a state that does not allow it: a bug in rrpc."""
+
+
+class StreamBroken(ConnectionError):
+    """What a carrier's packet iterator raises when its peer went away."""
+
+
+class StreamState:
+    """The state of one stream (see the table at the top), and why it ended.
+
+    ``error`` is the error of the move that closed the stream (None: it
+    ended cleanly, or is not closed)."""
+
+    def __init__(self, state: State = OPENING):
+        self.state = state
+        self.error: BaseException | None = None
+        self._changed = threading.Condition(threading.Lock())
+
+    def move(self, event: Event, error: BaseException | None = None) -> bool:
+        """Apply ``event``; True if it changed the state (False: the event
+        changes nothing here, e.g. the stream was closed meanwhile)."""
+        with self._changed:
+            state = self.state
+            following = _TRANSITIONS[state].get(event)
+            if following is None:
+                raise StreamStateError(f"stream event {event.value!r} in state {state.value!r}")
+            if following is state:
+                return False
+            if following is CLOSED:
+                self.error = error  # before the state: readers of CLOSED see it
+            self.state = following
+            self._changed.notify_all()
+            return True
+
+    def wait_while(self, *states: State) -> State:
+        """Wait until the stream is in none of ``states``; the state it is in."""
+        with self._changed:
+            while self.state in states:
+                self._changed.wait()
+            return self.state
+
+    def __repr__(self) -> str:
+        return f"StreamState({self.state.value})"
+
+
+# -- Admission: a calling peer's requests in flight ----------------------------------
+def weight(frame: wire.Frame) -> int:
+    """What a request counts against its peer's bound (``PEER_IN_FLIGHT``)."""
+    return 1 + len(frame.buffers) // BUFFERS_PER_REQUEST
+
+
+class InFlight:
+    """The requests of one calling peer waiting to be run on this worker:
+    from the moment its stream's reader hands one on until a pool thread has
+    decoded it (``Frame.on_consumed``), i.e. its frame waits in the pool's
+    queue. Requests that run are bounded by the pool; one that waits for an
+    RPC of its own does not count here either (nor for the pool), so nested
+    calls from one peer never wait on each other here.
+
+    The reader takes a frame's weight before it hands the request on, and
+    waits while the peer is at ``limit``: reading stops, the carrier's flow
+    control pushes back on the peer, and what it has already sent is served.
+    A frame heavier than the limit goes through alone, once nothing else of
+    the peer's is waiting."""
+
+    def __init__(self, limit: int = PEER_IN_FLIGHT):
+        self.limit = limit
+        self.count = 0
+        # Reentrant: a frame may be freed by a garbage collection that runs
+        # while this thread holds the lock.
+        self._changed = threading.Condition(threading.RLock())
+
+    def take(self, weight: int, ended: Callable[[], Any]) -> bool:
+        """Take ``weight``, waiting for requests to be taken up if need be;
+        False if the stream ``ended`` meanwhile (nobody is left to answer)."""
+        with self._changed:
+            while self.count and self.count + weight > self.limit:
+                if ended():
+                    return False
+                self._changed.wait()
+            self.count += weight
+        return True
+
+    def give(self, weight: int = 1) -> None:
+        with self._changed:
+            self.count -= weight
+            self._changed.notify_all()
+
+    def wake(self) -> None:
+        """A stream ended: its reader may be waiting in ``take``."""
+        with self._changed:
+            self._changed.notify_all()
+
+
+class Admission:
+    """The ``InFlight`` of each calling peer, by rank: one per peer, whatever
+    stream (or carrier) its requests come on."""
+
+    def __init__(self, limit: int = PEER_IN_FLIGHT):
+        self._limit = limit
+        self._peers: dict[int, InFlight] = {}
+        self._lock = threading.Lock()
+
+    def of(self, rank: int) -> InFlight:
+        with self._lock:
+            in_flight = self._peers.get(rank)
+            if in_flight is None:
+                in_flight = self._peers[rank] = InFlight(self._limit)
+            return in_flight
+
+
+def admit_with(
+    in_flight: InFlight, wait_for_room: Callable[[], bool], ended: Callable[[], Any]
+) -> Callable[[wire.Frame], bool]:
+    """``TakeTurns``'s ``admit`` for a stream whose unsent replies wait in
+    ``wait_for_room`` and whose peer's requests count in ``in_flight``;
+    ``ended()`` is true once the stream ended."""
+
+    def admit(frame: wire.Frame) -> bool:
+        return wait_for_room() and in_flight.take(weight(frame), ended)
+
+    return admit
+
+
+# -- Sending -------------------------------------------------------------------------
+class Outbox:
+    """One direction of a stream: the frames waiting to go, and how many
+    exchanges are open on it (requests without their reply yet).
+
+    ``backlog`` (bytes put and not yet handed to the carrier) is kept only
+    when ``track_backlog``: the callee's reply side, whose readers wait in
+    ``wait_for_room`` while it is over ``REPLY_BACKLOG``.
+
+    Under load the sender lingers ``batch_delay`` seconds before cutting a
+    packet, so that one gRPC message carries many frames: gRPC's per-message
+    cost in Python (~100 µs per side here) would otherwise dominate. It
+    lingers only while at least ``batch_min_open`` exchanges are open — a
+    lone call never waits. The counts are advisory: they steer batching only.
+
+    ``stream`` is the state of the stream it sends on (an open one of its
+    own if not given): once it is HALF_CLOSED, the last reply ends it.
+    """
+
+    def __init__(
+        self,
+        packet_size: int,
+        batch_delay: float = 0.0,
+        batch_min_open: int = 0,
+        track_backlog: bool = False,
+        stream: StreamState | None = None,
+    ):
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.packet_size = packet_size
+        self.batch_delay = batch_delay
+        self.batch_min_open = batch_min_open
+        self.stream = stream if stream is not None else StreamState(OPEN)
+        self.sleep = time.sleep  # tests replace it to act during the linger
+        # Every frame is half an exchange (a request or its reply), so the
+        # open exchanges are the difference between frames sent and received.
+        # Frames are sent from many threads (an atomic itertools.count) and
+        # received by the stream's reader alone.
+        self._sends = itertools.count(1)
+        self._sent = 0
+        self.received = 0
+        self.backlog = 0
+        self._room: threading.Condition | None = threading.Condition() if track_backlog else None
+
+    def open_exchanges(self) -> int:
+        return abs(self._sent - self.received)
+
+    def put(self, pieces: list[Any]) -> None:
+        """Queue one frame's pieces, from any thread."""
+        self._sent = next(self._sends)
+        if self._room is not None:
+            size = sum(map(len, pieces))
+            with self._room:
+                self.backlog += size
+        self.queue.put(pieces)
+        if self.stream.state is HALF_CLOSED:
+            self.end_if_answered()
+
+    def end_if_answered(self) -> None:
+        """End the stream if it is HALF_CLOSED and every exchange open on it
+        is answered (a caller that half-closed its side still gets the
+        replies to what it sent)."""
+        stream = self.stream
+        # move() lets one thread through, should several see the last answer.
+        if stream.state is HALF_CLOSED and self.open_exchanges() == 0 and stream.move(END):
+            self.queue.put(_CLOSE)
+
+    def end(self, error: BaseException | None = None) -> None:
+        """End this direction after what is queued; with ``error``, end it failed."""
+        if error is not None:
+            self.queue.put(error)
+        self.queue.put(_CLOSE)
+        if self._room is not None:
+            with self._room:
+                self._room.notify_all()  # readers waiting for room look at the state again
+
+    def wait_for_room(self) -> bool:
+        """Wait while more than ``REPLY_BACKLOG`` bytes wait to go; False if
+        the stream ended (CLOSED) meanwhile."""
+        room = self._room
+        if room is None or self.backlog <= REPLY_BACKLOG:
+            return self.stream.state is not CLOSED
+        with room:
+            while self.backlog > REPLY_BACKLOG and self.stream.state is not CLOSED:
+                room.wait()
+            return self.stream.state is not CLOSED
+
+    def _sent_bytes(self, size: int) -> None:
+        assert self._room is not None
+        with self._room:
+            self.backlog -= size
+            if self.backlog <= REPLY_BACKLOG:
+                self._room.notify_all()
+
+    def packets(self) -> Iterator[bytes]:
+        """Packets of the queued frames, until the stream ends."""
+        while True:
+            batch: list[list[Any]] = []
+            end = self._drain(batch, block=True)
+            if end is None and self.batch_delay and self.open_exchanges() >= self.batch_min_open:
+                self.sleep(self.batch_delay)  # asleep, not waiting: puts wake nobody
+                end = self._drain(batch, block=False)
+            if batch and self._room is not None:
+                for packet in wire.packets(itertools.chain.from_iterable(batch), self.packet_size):
+                    yield packet
+                    self._sent_bytes(len(packet))  # the carrier took it (flow control let it go)
+            elif batch:
+                yield from wire.packets(itertools.chain.from_iterable(batch), self.packet_size)
+            if isinstance(end, BaseException):
+                raise end
+            if end is _CLOSE:
+                return
+
+    def _drain(self, batch: list, block: bool) -> Any:
+        """Move queued frames into ``batch`` (waiting for the first one if
+        ``block``) up to an end marker, which it returns (None: no end yet)."""
+        while True:
+            try:
+                item = self.queue.get() if block and not batch else self.queue.get_nowait()
+            except queue.Empty:
+                return None
+            if item is _CLOSE or isinstance(item, BaseException):
+                return item
+            batch.append(item)
+
+
+# -- Receiving -----------------------------------------------------------------------
+def read_frames(
+    packets: Iterator[bytes], reader: wire.FrameReader, on_frame: FrameHandler, outbox: Outbox
+) -> None:
+    """Hand every frame of ``packets`` to ``on_frame``, in order (a caller
+    reading its replies: one thread, no turns)."""
+    # No frame may stay referenced here while the next packet is awaited: a
+    # received tensor's shared-memory slot is freed with its last reference.
+    for packet in packets:
+        frames = reader.feed(packet)
+        del packet
+        for frame in _taken(frames):
+            outbox.received += 1
+            on_frame(frame)
+        frame = frames = None  # type: ignore[assignment]
+
+
+def _taken(frames: list[wire.Frame]) -> Iterator[wire.Frame]:
+    """Each frame in order, its slot cleared as it is handed out (linear time;
+    ``pop(0)`` made a packet of N frames cost N²), so none stays referenced."""
+    for index, frame in enumerate(frames):
+        frames[index] = None  # type: ignore[call-overload]
+        yield frame
+        del frame
+
+
+def _next_frame(frames: Iterator[wire.Frame]) -> tuple[wire.Frame | None, Exception | None]:
+    """The next frame of a packet (None at its end), or why it is malformed."""
+    try:
+        return next(frames, None), None
+    except Exception as exc:
+        return None, exc
+
+
+class TakeTurns:
+    """Two threads take turns reading one incoming stream: each runs ``run``.
+
+    The thread that read a request hands the turn to the other, if that one is
+    free, and runs the request itself (``on_frame(frame, inline=True)``): a
+    lone call then goes from the socket to its function with no thread
+    hand-off, which is ~50 µs here. Other requests (a busy partner, all but
+    the last frame of a packet) go to the agent's pool, so reading never
+    waits for a request to finish and a request that blocks stalls nothing.
+
+    ``admit(frame)`` runs before each request is handed on, with the turn
+    held, so requests start in the order they came: it may block (the peer
+    is at its bound of requests in flight, which stops reading) and returns
+    False if the stream ended meanwhile.
+
+    ``packets`` ends (StopIteration) when the peer half-closed its side, and
+    raises (``StreamBroken``, or the carrier's own error) when it went away.
+    The readers read while the stream is OPEN: ``outbox``'s state, if given
+    (its received frames are counted, and it ends with the stream), else an
+    open state of their own.
+    """
+
+    def __init__(
+        self,
+        packets: Iterator[bytes],
+        reader: wire.FrameReader,
+        on_frame: Callable[[wire.Frame, bool], None],
+        admit: Callable[[wire.Frame], bool] | None = None,
+        outbox: Outbox | None = None,
+    ):
+        self._packets = packets
+        self._reader = reader
+        self._on_frame = on_frame
+        self._admit = admit or (lambda frame: True)
+        self._outbox = outbox
+        self.stream = outbox.stream if outbox is not None else StreamState(OPEN)
+        self._turn = threading.Lock()  # held by the thread that reads
+        self._guard = threading.Lock()
+        self._waiting = 0  # threads waiting for the turn
+
+    def run(self) -> None:
+        mark_transport_thread()
+        stream, outbox = self.stream, self._outbox
+        while True:
+            with self._guard:
+                self._waiting += 1
+            self._turn.acquire()
+            with self._guard:
+                self._waiting -= 1
+            if stream.state is not OPEN:  # half-closed or ended: nothing more to read
+                self._reader.close()
+                self._turn.release()
+                return
+            try:
+                packet = next(self._packets)
+            except StopIteration:  # the peer half-closed: answer what it sent, then end
+                stream.move(HALF_CLOSE)
+                self._reader.close()
+                if outbox is not None:
+                    outbox.end_if_answered()
+                self._turn.release()
+                return
+            except Exception:  # the peer went away; its side reports it
+                return self._end(None)
+            # Frames are decoded one at a time, each looking one ahead (only
+            # the packet's last may run inline).
+            frames = self._reader.frames_in(packet)
+            del packet
+            frame, error = _next_frame(frames)
+            while frame is not None:
+                following, error = _next_frame(frames)
+                if outbox is not None:
+                    outbox.received += 1
+                if not self._admit(frame):
+                    return self._end(None)  # the peer went away while we waited
+                if following is not None or error is not None:
+                    self._on_frame(frame, False)
+                    frame = following
+                    continue
+                with self._guard:
+                    inline = self._waiting > 0
+                self._turn.release()
+                self._on_frame(frame, inline)
+                # Nothing stays referenced while waiting: a received tensor's
+                # shared-memory slot is freed with its last reference.
+                del frame
+                break
+            else:
+                if error is not None:  # a malformed frame: end this stream, keep serving others
+                    return self._end(error)
+                self._turn.release()
+
+    def _end(self, error: BaseException | None) -> None:
+        self.stream.move(END, error)
+        self._reader.close()
+        if self._outbox is not None:
+            self._outbox.end(error)
+        self._turn.release()

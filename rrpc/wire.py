@@ -1,0 +1,372 @@
+"""Frames on a stream: their byte layout, their limits, cutting and reassembly.
+
+Bytes only: nothing here pickles or unpickles (``codec.py`` makes a message
+into a frame's payload and buffers, and back). One frame (the envelope's
+schema and field meanings in ``proto/rrpc.proto``)::
+
+    offset         size                     field
+    ------------   ----------------------   ------------------------------------
+    0              4                        H: envelope size, u32 little-endian
+    4              H                        Envelope (protobuf): kind, request id,
+                                            autograd context, payload_size,
+                                            buffer_sizes[], shared_buffers{}
+    4+H            payload_size             payload (pickle protocol 5)
+    4+H+P          buffer_sizes[0]          buffer 0 (a tensor's raw bytes)
+    ...            ...                      ...
+                   buffer_sizes[n-1]        buffer n-1
+
+A buffer sent through same-host shared memory (``shm.py``) has size 0 in
+``buffer_sizes`` and a descriptor in ``shared_buffers`` under its index; the
+reader builds the tensor over the peer's slot, with no copy. With an auth
+token each direction of a stream opens with a HANDSHAKE frame: an envelope
+alone (``auth.py``).
+
+Rules:
+
+- Every length is checked before it is trusted: the envelope's size against
+  ``MAX_ENVELOPE_SIZE``, the frame's total (shared buffers included) against
+  ``max_message_size``, its count of buffers against ``MAX_BUFFERS``; the
+  error gives both numbers.
+- A received buffer is allocated for its tensor and filled from the packets:
+  one copy from the socket's packets, none after.
+- Memory is committed as bytes arrive, never as they are announced: a buffer
+  declared larger than ``GROW_FROM`` grows (``_GrowingBuffer``: anonymous
+  memory enlarged in place by ``mremap``, no copy) as its bytes come in, so a
+  frame that declares 16 GiB and sends a few KiB costs a few MiB. A stream
+  that ends drops its reader's partial frame (``FrameReader.close``).
+- Packets are the transport's cut of the byte stream (``packets``): several
+  small frames share one, a large frame spans several; the reader accepts
+  any cut.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from rrpc._proto.rrpc_pb2 import Envelope, SharedBuffer
+from rrpc.messages import MessageTooLargeError, ProtocolError
+
+HEADER = struct.Struct("<I")
+MAX_ENVELOPE_SIZE = 1 << 20  # an envelope is tens of bytes; anything near this is garbage
+# Tensor buffers in one frame. Each costs the receiver a Python object (~100
+# bytes) for as little as one byte on the wire; a message of more tensors than
+# this is refused by its sender.
+MAX_BUFFERS = 1 << 16
+GROW_FROM = 32 << 20  # a received buffer larger than this grows as its bytes arrive
+
+
+@dataclass
+class Outgoing:
+    """An encoded frame: ``pieces`` written in order are the frame's bytes."""
+
+    pieces: list[Any]  # bytes, then one memoryview per tensor buffer sent in the stream
+    size: int  # bytes in the stream
+    tensor_bytes: int  # bytes of all tensor buffers, in the stream or in shared memory
+    # Tensors in the message that require grad, in pickling order (for autograd).
+    grad_tensors: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class Frame:
+    """A received frame, its payload not yet unpickled."""
+
+    envelope: Envelope
+    payload: bytes | memoryview
+    # One writable 1-D uint8 buffer per out-of-band buffer: a numpy array when
+    # it came in the stream, a tensor over the slot when through shared memory.
+    buffers: list[np.ndarray | torch.Tensor]
+    # Called once, when the payload is unpickled (``codec.loads``) or the frame
+    # is dropped undecoded: the transport's count of a peer's requests waiting
+    # to be run (transport._InFlight).
+    on_consumed: Callable[[], None] | None = None
+
+    def tensor_bytes(self) -> int:
+        return sum(len(buffer) for buffer in self.buffers)
+
+    def consumed(self) -> None:
+        callback, self.on_consumed = self.on_consumed, None
+        if callback is not None:
+            callback()
+
+    def __del__(self) -> None:
+        self.consumed()
+
+
+def _declared_size(envelope: Envelope) -> int:
+    """The bytes a frame's envelope announces: stream and shared-memory buffers."""
+    shared = sum(buffer.size for buffer in envelope.shared_buffers.values())
+    return envelope.payload_size + sum(envelope.buffer_sizes) + shared
+
+
+class _GrowingBuffer:
+    """A received buffer declared larger than ``GROW_FROM``, filled as its
+    bytes arrive: anonymous memory that starts small and doubles (``mremap``
+    moves pages, it copies nothing) until it holds the declared size. What
+    was announced but never sent costs neither memory nor address space
+    (beyond the first ``_FIRST`` bytes)."""
+
+    __slots__ = ("size", "_map")
+    _FIRST = 4 << 20
+
+    def __init__(self, size: int):
+        self.size = size
+        self._map: mmap.mmap | None = None
+
+    def __len__(self) -> int:
+        return self.size
+
+    def write(self, start: int, data: memoryview) -> None:
+        end = start + len(data)
+        memory = self._map
+        capacity = len(memory) if memory is not None else 0
+        if end > capacity:
+            capacity = min(self.size, max(end, 2 * capacity, self._FIRST))
+            if memory is None:
+                memory = mmap.mmap(-1, capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+                self._map = memory
+            else:
+                memory.resize(capacity)
+            if _HUGE_PAGES is not None:  # as numpy does for large arrays: fewer page faults
+                memory.madvise(_HUGE_PAGES)
+        assert memory is not None
+        memory[start:end] = data
+
+    def array(self) -> np.ndarray:
+        """The filled buffer, for the tensor to be built over (no copy)."""
+        assert self._map is not None and len(self._map) == self.size
+        return np.frombuffer(self._map, dtype=np.uint8)
+
+
+_HUGE_PAGES = getattr(mmap, "MADV_HUGEPAGE", None)
+
+
+class FrameReader:
+    """Reassembles frames from a stream's packets, whatever their cut.
+
+    ``feed(packet)`` returns the frames the packet completes. Each out-of-band
+    buffer is copied once, from the packets into a tensor allocated for it;
+    memory is taken as the bytes arrive (see the rules at the top).
+    """
+
+    def __init__(
+        self,
+        max_message_size: int = 0,
+        attach: Callable[[SharedBuffer], torch.Tensor] | None = None,
+    ):
+        self.max_message_size = max_message_size
+        self._attach = attach  # builds a tensor over a shared-memory descriptor
+        self._head = bytearray()  # bytes of an incomplete header+envelope
+        self._envelope: Envelope | None = None
+        self._payload = bytearray()
+        self._buffers: list[np.ndarray | torch.Tensor] = []
+        self._target: np.ndarray | _GrowingBuffer | None = None  # the buffer being filled
+        self._filled = 0
+
+    def close(self) -> None:
+        """The stream ended: drop the frame being read, and its memory."""
+        self._head = bytearray()
+        self._envelope, self._target, self._buffers = None, None, []
+        self._payload = bytearray()
+
+    def feed(self, packet: bytes) -> list[Frame]:
+        return list(self.frames_in(packet))
+
+    def frames_in(self, packet: bytes) -> Iterator[Frame]:
+        """The frames ``packet`` completes, each read only when asked for: a
+        reader that stops asking (its peer has too many requests waiting)
+        holds the packet's bytes, not thousands of decoded frames."""
+        view = memoryview(packet)
+        position, end = 0, len(packet)
+        while True:
+            if self._envelope is None:
+                if position == end:
+                    return
+                if not self._head:
+                    whole = self._read_whole_frame(view, position)
+                    if whole is not None:
+                        position = whole[1]
+                        yield whole[0]
+                        continue
+                position = self._read_envelope(view, position)
+                continue
+            self._open_next_buffer()
+            if self._complete():
+                yield self._take()
+            elif position == end:
+                return
+            else:
+                position = self._read_body(view, position)
+
+    def _read_whole_frame(self, view: memoryview, position: int) -> tuple[Frame, int] | None:
+        """The common case, a frame wholly inside this packet, without the
+        state machine; None leaves it to the general path."""
+        end = len(view)
+        if end - position < HEADER.size:
+            return None
+        (head_size,) = HEADER.unpack_from(view, position)
+        body = position + HEADER.size + head_size
+        if head_size > MAX_ENVELOPE_SIZE or body > end:
+            return None
+        envelope = Envelope()
+        try:
+            envelope.ParseFromString(view[position + HEADER.size : body])
+        except Exception as exc:
+            raise ProtocolError(f"unparseable envelope: {exc}") from exc
+        sizes = list(envelope.buffer_sizes)
+        payload_end = body + envelope.payload_size
+        frame_end = payload_end + sum(sizes)
+        if frame_end > end or envelope.shared_buffers or len(sizes) > MAX_BUFFERS:
+            return None  # also checks the limits, counting shared buffers
+        if self.max_message_size and frame_end - body > self.max_message_size:
+            return None  # the general path raises the error
+        buffers: list[np.ndarray | torch.Tensor] = []
+        offset = payload_end
+        for size in sizes:
+            buffer = np.empty(size, dtype=np.uint8)
+            buffer[:] = np.frombuffer(view, dtype=np.uint8, count=size, offset=offset)
+            buffers.append(buffer)
+            offset += size
+        return Frame(envelope, bytes(view[body:payload_end]), buffers), frame_end
+
+    def _read_envelope(self, view: memoryview, position: int) -> int:
+        needed = HEADER.size - len(self._head)
+        if needed > 0:
+            take = min(needed, len(view) - position)
+            self._head += view[position : position + take]
+            position += take
+            if len(self._head) < HEADER.size:
+                return position
+        (head_size,) = HEADER.unpack_from(self._head)
+        if head_size > MAX_ENVELOPE_SIZE:
+            raise ProtocolError(f"envelope of {head_size} bytes (limit {MAX_ENVELOPE_SIZE})")
+        needed = HEADER.size + head_size - len(self._head)
+        take = min(needed, len(view) - position)
+        self._head += view[position : position + take]
+        position += take
+        if take < needed:
+            return position
+        envelope = Envelope()
+        try:
+            envelope.ParseFromString(bytes(self._head[HEADER.size :]))
+        except Exception as exc:
+            raise ProtocolError(f"unparseable envelope: {exc}") from exc
+        size = _declared_size(envelope)
+        if self.max_message_size and size > self.max_message_size:
+            raise MessageTooLargeError(
+                f"incoming message of {size} bytes exceeds max_message_size={self.max_message_size}"
+            )
+        if len(envelope.buffer_sizes) > MAX_BUFFERS:
+            raise ProtocolError(
+                f"incoming message of {len(envelope.buffer_sizes)} tensor buffers exceeds the "
+                f"limit of {MAX_BUFFERS}"
+            )
+        self._head.clear()
+        self._envelope = envelope
+        self._payload = bytearray()
+        self._buffers = []
+        self._target, self._filled = None, 0
+        return position
+
+    # The body is the payload, then each buffer in turn. _target is the buffer
+    # being filled and _filled how much of it is.
+    def _payload_missing(self) -> int:
+        assert self._envelope is not None
+        return self._envelope.payload_size - len(self._payload)
+
+    def _open_next_buffer(self) -> None:
+        """Once the payload is in, allocate buffers as the previous one fills
+        (zero-sized ones complete at once)."""
+        envelope = self._envelope
+        assert envelope is not None
+        sizes = envelope.buffer_sizes
+        while (
+            not self._payload_missing()
+            and len(self._buffers) < len(sizes)
+            and (self._target is None or self._filled == len(self._target))
+        ):
+            index = len(self._buffers)
+            if envelope.shared_buffers and index in envelope.shared_buffers:
+                if self._attach is None:
+                    raise ProtocolError(
+                        "shared-memory buffer on a stream that does not accept them"
+                    )
+                if sizes[index]:  # its bytes would be read as the next buffer or frame
+                    raise ProtocolError(
+                        f"shared-memory buffer {index} also has {sizes[index]} bytes in the stream"
+                    )
+                try:
+                    tensor = self._attach(envelope.shared_buffers[index])
+                except Exception as exc:  # refused, or nothing to map there
+                    raise ProtocolError(f"bad shared-memory descriptor: {exc}") from exc
+                self._buffers.append(tensor)
+                self._target = None
+                continue
+            size = sizes[index]
+            buffer = np.empty(size, dtype=np.uint8) if size <= GROW_FROM else _GrowingBuffer(size)
+            self._buffers.append(buffer)  # type: ignore[arg-type]  # a _GrowingBuffer until full
+            self._target, self._filled = buffer, 0
+
+    def _complete(self) -> bool:
+        return (
+            not self._payload_missing()
+            and len(self._buffers) == len(self._envelope.buffer_sizes)  # type: ignore[union-attr]
+            and (self._target is None or self._filled == len(self._target))
+        )
+
+    def _read_body(self, view: memoryview, position: int) -> int:
+        available = len(view) - position
+        missing = self._payload_missing()
+        if missing:
+            take = min(missing, available)
+            self._payload += view[position : position + take]
+            return position + take
+        target = self._target
+        assert target is not None
+        take = min(len(target) - self._filled, available)
+        if isinstance(target, _GrowingBuffer):
+            target.write(self._filled, view[position : position + take])
+            if self._filled + take == len(target):
+                self._buffers[-1] = target.array()
+        else:
+            target[self._filled : self._filled + take] = np.frombuffer(
+                view, dtype=np.uint8, count=take, offset=position
+            )
+        self._filled += take
+        return position + take
+
+    def _take(self) -> Frame:
+        envelope = self._envelope
+        assert envelope is not None
+        frame = Frame(envelope, bytes(self._payload), self._buffers)
+        self._envelope, self._target, self._buffers = None, None, []
+        return frame
+
+
+def packets(pieces: Iterator[Any], packet_size: int) -> Iterator[bytes]:
+    """Cut a sequence of frame pieces into packets of at most ``packet_size`` bytes.
+
+    Small pieces are joined (batching several frames into one packet); a large
+    buffer is sliced (a memoryview slice, copied once by ``join``).
+    """
+    batch: list[Any] = []
+    batched = 0
+    for piece in pieces:
+        length = len(piece)
+        offset = 0
+        while offset < length:
+            take = min(packet_size - batched, length - offset)
+            batch.append(piece if take == length else memoryview(piece)[offset : offset + take])
+            batched += take
+            offset += take
+            if batched == packet_size:
+                yield b"".join(batch)
+                batch, batched = [], 0
+    if batch:
+        yield b"".join(batch)

@@ -1,0 +1,206 @@
+"""The same-host lane (rrpc/lane.py): who opens one, what crosses it, and how it fails.
+
+Two workers of one host carry their calls over a Unix socket; two in
+different network namespaces, or with the lane switched off, stay on gRPC.
+A lane that breaks mid-call fails that call naming the peer, and the next
+call works; a caller that cannot prove the cluster token is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import struct
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import rrpc
+from harness import mp_context, run_workers
+from rrpc import auth, lane, lane_io
+from rrpc.agent import current_agent
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import netns  # noqa: E402 -- benchmarks/netns.py
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _lane_open_to(name: str) -> bool:
+    agent = current_agent()
+    return agent.lane_to(agent.worker_info(name)) is not None
+
+
+def _echo(value):
+    return value
+
+
+_release = []  # worker1's copy of the test's release Event
+
+
+def _wait_for_release():
+    _release[0].wait(30)  # set by the caller once the lane broke under this call
+    return "late"
+
+
+# -- Who opens a lane ----------------------------------------------------------------
+def _calls_over_the_lane(rank, world_size):
+    if rank != 0:
+        return None
+    generator = torch.Generator().manual_seed(1)
+    sent = [torch.randn(n, generator=generator) for n in (0, 1, 1000, 200_000)]
+    back = rrpc.rpc_sync("worker1", _echo, args=(sent,))
+    futures = [rrpc.rpc_async("worker1", torch.add, args=(t, 1)) for t in sent]
+    added = [f.wait() for f in futures]
+    counter = rrpc.remote("worker1", dict, kwargs={"calls": 3})
+    return (
+        _lane_open_to("worker1"),
+        all(torch.equal(a, b) for a, b in zip(back, sent, strict=True)),
+        all(torch.equal(a, b + 1) for a, b in zip(added, sent, strict=True)),
+        counter.to_here(),
+    )
+
+
+def test_two_workers_on_one_host_carry_their_calls_over_the_lane():
+    opened, echoed, added, counted = run_workers(_calls_over_the_lane)[0]
+    assert opened is True
+    assert echoed and added
+    assert counted == {"calls": 3}
+
+
+def _lane_state(rank, world_size):
+    if rank == 0:
+        assert torch.equal(
+            rrpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1)), 2 * torch.ones(2)
+        )
+        return _lane_open_to("worker1")
+    return None
+
+
+@pytest.mark.parametrize(
+    "how",
+    ["env", "option", "tensorpipe_transports"],
+)
+def test_a_lane_switched_off_leaves_the_calls_on_grpc(how):
+    env, options = None, None
+    if how == "env":
+        env = {"RRPC_LANE": "0"}
+    elif how == "option":
+        options = rrpc.RpcBackendOptions(same_host_lane=False)
+    else:
+        options = rrpc.TensorPipeRpcBackendOptions(_transports=["uv"])
+    assert run_workers(_lane_state, env=env, backend_options=options)[0] is False
+
+
+def test_tensorpipe_transports_with_shm_keep_the_lane():
+    options = rrpc.TensorPipeRpcBackendOptions(_transports=["shm", "uv"], _channels=["basic"])
+    assert options.same_host_lane and not options.shared_memory
+    assert run_workers(_lane_state, backend_options=options)[0] is True
+
+
+def test_an_unknown_tensorpipe_transport_is_refused_by_name():
+    with pytest.raises(ValueError, match="carrier-pigeon"):
+        rrpc.RpcBackendOptions(_transports=["carrier-pigeon"])
+
+
+def _namespaced(rank, world_size, pair, results):
+    host = pair.b if rank == 2 else pair.a
+    netns.enter(host.netns)  # before any socket is opened
+    os.environ.update(MASTER_ADDR=pair.a.address, RRPC_ADVERTISE_HOST=host.address)
+    rrpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size)
+    if rank == 0:
+        one = rrpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 1))
+        two = rrpc.rpc_sync("worker2", torch.add, args=(torch.ones(2), 2))
+        results.put(
+            (_lane_open_to("worker1"), _lane_open_to("worker2"), one.sum().item(), two.sum().item())
+        )
+    rrpc.shutdown()
+
+
+@pytest.mark.skipif(netns.unavailable() is not None, reason=str(netns.unavailable()))
+def test_workers_in_different_network_namespaces_open_no_lane():
+    results = mp_context.Queue()
+    with netns.VethPair.create() as pair:
+        run_workers(_namespaced, world_size=3, args=(pair, results), init=False, timeout=90)
+    assert results.get(timeout=5) == (True, False, 4.0, 6.0)
+
+
+# -- A lane that breaks --------------------------------------------------------------
+def _break_mid_call(rank, world_size, release):
+    _release.append(release)
+    if rank != 0:
+        return None
+    assert rrpc.rpc_sync("worker1", _echo, args=(1,)) == 1
+    agent = current_agent()
+    peer = agent.worker_info("worker1")
+    pending = rrpc.rpc_async("worker1", _wait_for_release)
+    opened = agent.lane_to(peer)
+    opened._sock.shutdown(socket.SHUT_RDWR)  # the lane breaks under the pending call
+    try:
+        pending.wait()
+        error = None
+    except rrpc.PeerUnavailableError as exc:
+        error = str(exc)
+    release.set()
+    after = rrpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), 4))
+    return error, after.tolist()
+
+
+def test_a_lane_that_breaks_mid_call_fails_that_call_naming_the_peer_and_the_next_call_works():
+    error, after = run_workers(_break_mid_call, args=(mp_context.Event(),))[0]
+    assert error is not None and "worker1" in error and "lane" in error
+    assert after == [5.0, 5.0]
+
+
+# -- Trust -----------------------------------------------------------------------------
+def _lane_path_and_wait(rank, world_size, paths, done):
+    if rank == 1:
+        listener = current_agent().lane_listener
+        paths.put((listener.path, stat.S_IMODE(os.stat(listener.directory).st_mode)))
+        assert done.wait(60)
+        return None
+    assert done.wait(60)
+    # After the stranger was refused, worker1 still serves, over the lane.
+    return rrpc.rpc_sync("worker1", torch.add, args=(torch.ones(1), 1)).item(), _lane_open_to(
+        "worker1"
+    )
+
+
+def test_a_caller_without_the_token_is_refused_on_the_lane_and_the_worker_keeps_serving():
+    paths, done = mp_context.Queue(), mp_context.Event()
+    env = {"RRPC_AUTH_TOKEN": "s3cret"}
+    outcome = {}
+
+    def stranger():
+        path, mode = paths.get(timeout=60)
+        outcome["mode"] = mode
+        try:
+            with pytest.raises((rrpc.AuthenticationError, ConnectionError, OSError)):
+                sock = lane.connect(path, (0, 1), auth.Token("wrong"), timeout=5)
+                # The callee proved the real token, which "wrong" cannot check.
+                sock.close()
+            # A forged proof after a real hello: the callee drops the socket.
+            raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            raw.settimeout(5)
+            raw.connect(path)
+            raw.sendall(lane_io.MAGIC + struct.pack("<q", 0) + bytes(32))
+            raw.recv(1024)
+            raw.sendall(b"\x01" * 32)
+            outcome["after_forged_proof"] = raw.recv(1024)  # REFUSED, then the socket closes
+            outcome["then"] = raw.recv(1024)
+            raw.close()
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=stranger)
+    thread.start()
+    results = run_workers(_lane_path_and_wait, args=(paths, done), env=env)
+    thread.join(10)
+    assert outcome["mode"] == 0o700
+    assert outcome["after_forged_proof"] == lane_io.REFUSED
+    assert outcome["then"] == b""
+    assert results[0] == (2.0, True)

@@ -1,0 +1,124 @@
+"""rrpc/pool.py without processes: elastic threads grow for waiting work and
+retire when idle; the worker pool bounds running requests by its permits,
+which a request gives back while it waits for an RPC."""
+
+import threading
+
+import pytest
+
+from rrpc import futures
+from rrpc.pool import ElasticThreads, WorkerPool
+
+pytestmark = pytest.mark.timeout(30)
+
+WAIT = 10.0
+
+
+def _run(task):
+    fn, args = task
+    fn(*args)
+
+
+def test_a_task_waiting_for_another_tasks_work_gets_a_thread_of_its_own():
+    threads = ElasticThreads("rrpc-test-elastic", _run)
+    produced, consumed = threading.Event(), threading.Event()
+    threads.put_or_grow((lambda: consumed.set() if produced.wait(WAIT) else None, ()))
+    threads.put_or_grow((produced.set, ()))  # no thread is free: one is added
+    assert consumed.wait(WAIT)
+    threads.stop(WAIT)
+
+
+def test_a_burst_of_growing_puts_starts_a_thread_per_task_none_being_free():
+    threads = ElasticThreads("rrpc-test-elastic", _run)
+    arrived = threading.Barrier(5, timeout=WAIT)  # passes only if all five run at once
+    for _ in range(5):
+        threads.put_or_grow((arrived.wait, ()))
+    threads.stop(WAIT)
+    assert not arrived.broken
+
+
+def test_extra_threads_end_when_idle_and_core_threads_stay():
+    threads = ElasticThreads("rrpc-test-elastic", _run, core=1, idle_exit=0.05)
+    core = next(iter(threads._threads))
+    gate = threading.Event()
+    done = threading.Event()
+    threads.put_or_grow((gate.wait, (WAIT,)))  # the core thread takes it
+    threads.put_or_grow((done.set, ()))  # an extra thread runs this one
+    assert done.wait(WAIT)
+    extra = [thread for thread in list(threads._threads) if thread is not core]
+    gate.set()
+    for thread in extra:
+        thread.join(WAIT)
+        assert not thread.is_alive()
+    assert core.is_alive() and threads._threads == {core}
+    threads.stop(WAIT)
+    core.join(WAIT)
+    assert not core.is_alive()
+
+
+def test_thread_names_are_the_pool_name_and_a_number():
+    names = []
+    ran = threading.Event()
+    threads = ElasticThreads("rrpc-test-elastic", _run, core=2)
+    threads.put((lambda: (names.append(threading.current_thread().name), ran.set()), ()))
+    assert ran.wait(WAIT)
+    threads.stop(WAIT)
+    assert names[0] in {"rrpc-test-elastic-0", "rrpc-test-elastic-1"}
+
+
+def test_worker_pool_runs_at_most_size_requests_at_once_inline_ones_counted():
+    pool = WorkerPool(2, "rrpc-test-pool")
+    both_running = threading.Barrier(3, timeout=WAIT)  # two requests and this test
+    release = threading.Event()
+
+    def request():
+        both_running.wait()
+        release.wait(WAIT)
+
+    try:
+        pool.submit(request)
+        pool.submit(request)
+        both_running.wait()
+        # Both have started (nothing queued may be overtaken): only the permits refuse.
+        assert pool.run_inline(print, "never") is False
+    finally:
+        release.set()
+        pool.stop(WAIT)
+
+
+def test_nested_waits_deeper_than_the_pool_complete_their_permit_given_back():
+    pool = WorkerPool(1, "rrpc-test-pool")
+    depth = 4
+    finished = threading.Event()
+
+    def request(level):
+        if level == depth:
+            finished.set()
+            return
+        inner = threading.Event()
+        pool.submit(lambda: (request(level + 1), inner.set()))
+        # As an rpc_sync inside a request: the wait gives the only permit back.
+        assert futures.blocking(inner.wait, WAIT)
+
+    try:
+        pool.submit(request, 0)
+        assert finished.wait(WAIT)
+    finally:
+        pool.stop(WAIT)
+
+
+def test_run_inline_refuses_while_a_submitted_request_has_not_started():
+    pool = WorkerPool(1, "rrpc-test-pool")
+    started, release = threading.Event(), threading.Event()
+    ran = []
+    try:
+        pool.submit(lambda: (started.set(), release.wait(WAIT)))
+        assert started.wait(WAIT)
+        pool.submit(ran.append, "queued")  # waits for the permit
+        assert pool.run_inline(ran.append, "inline") is False  # would overtake it
+        release.set()
+    finally:
+        pool.stop(WAIT)
+    assert ran == ["queued"]
+    assert pool.run_inline(ran.append, "inline") is True  # nothing waits: it runs here
+    assert ran == ["queued", "inline"]
