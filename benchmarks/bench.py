@@ -2,30 +2,50 @@
 
 Run from the repository root:
 
-    python benchmarks/bench.py                       # everything, ~4 min on 2 vCPUs
-    python benchmarks/bench.py --quick               # fewer repeats and calls, ~1.5 min
-    python benchmarks/bench.py --only noop_sync,echo_16m
+    python benchmarks/bench.py                       # everything, ~7 min on 2 idle vCPUs
+    python benchmarks/bench.py --quick               # fewer repeats and calls, ~2.5 min
+    python benchmarks/bench.py --only noop_sync,echo_16m --quick
     python benchmarks/bench.py --only veth_echo_16m      # two "hosts"; needs root
     python benchmarks/bench.py --frameworks torch    # reference numbers only
     python benchmarks/bench.py --json results.json
     python benchmarks/bench.py --overhead            # rrpc's stats and profiler hook, per call
 
 How it measures. Every workload runs in fresh processes: two (a "client" that
-drives the measurement and a "server" it calls) or, for `param_server`, three.
-They are started with the multiprocessing spawn context on a free port of
-127.0.0.1 and talk through the framework under test; the driver sends its
-numbers back over a multiprocessing queue. For each workload the frameworks
-alternate (torch, rrpc, rrpc, torch, ...) for R repeats and the table shows the
-median over the repeats, so drift on the machine hits both sides alike.
+drives the measurement and a "server" it calls) or, for `param_server` and
+`rl_steps`, three. They are started with the multiprocessing spawn context on a
+free port of 127.0.0.1 and talk through the framework under test; the driver
+sends its numbers back over a multiprocessing queue. For each workload the
+frameworks alternate (torch, rrpc, rrpc, torch, ...) for R repeats and the table
+shows the median over the repeats, so drift on the machine hits both sides alike.
+
+The workloads. `noop_sync` (latency of an empty call), `async_64` (64 calls in
+flight), `threads_64` (64 threads calling), `echo_*` (a tensor there and back,
+the same tensor every call, each result dropped), `echo_fresh_*` (a new tensor
+every call, the last 4 results kept alive: what a real loop does, and no
+buffer of one call can serve the next), `veth_echo_*` (below), `remote_to_here`,
+`dist_autograd` (a step of distributed autograd and DistributedOptimizer),
+`param_server` (two trainers, one server), `rl_steps` (examples/rl_agents: an
+agent and two observers playing CartPole, seeded, so both frameworks play the
+very same steps), `peak_mem_128m` (memory of one 128 MiB round trip).
 
 Two "hosts". The `veth_*` workloads put the client and the server in two network
 namespaces joined by a veth pair (`netns.py`; created once per benchmark run and
 removed at its end), so their only way to each other is TCP over that link, as
-between two machines: rrpc with `RRPC_SHM=0`, TensorPipe restricted to its `uv`
-transport and `basic` channel (its `cma` channel would otherwise read the peer's
-memory with process_vm_readv, across namespaces). Each run checks the veth's
-byte counters: at least the payloads it timed must have crossed the link, or the
-run fails. Without root or `ip`, these rows read "n/a (needs root and ip netns)".
+between two machines: rrpc with `RRPC_SHM=0` and `RRPC_LANE=0`, TensorPipe with
+its default transports and channels less `cma` (which would read the peer's
+memory with process_vm_readv, across namespaces): `mpt_uv` and `basic` over
+`uv`. Each run checks the veth's byte counters: at least the payloads it timed
+must have crossed the link, or the run fails. Without root or `ip`, these rows
+read "n/a (needs root and ip netns)".
+
+Floors. Some rows also run the same round trips on a bare transport, in the
+same interleaved repeats, as a "floor" column: how far above it each framework
+is. "grpcio" (`floor.py`, beside `noop_sync` and `echo_4k`): a bare grpcio bidi
+stream, what rrpc's gRPC path is built on. "uds" (`stream_floor.py`, the same
+rows): a Unix socket on which the calling thread writes and reads its own
+reply, the floor under rrpc's same-host lane. "tcp" (`stream_floor.py`, the
+`veth_*` rows): a TCP stream over the same link, `sendall` and `recv_into` a
+buffer allocated once: the floor under any transport between two hosts.
 
 How to read it. Each row is one metric; "speedup" is rrpc's advantage over
 torch: rrpc ÷ torch for rates (calls/s, GB/s), torch ÷ rrpc for times and
@@ -43,7 +63,9 @@ one it has, which is also a check that rrpc's API mirrors PyTorch's.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
+import functools
 import gc
 import importlib
 import json
@@ -65,7 +87,14 @@ from typing import Any
 import floor  # benchmarks/floor.py: the bare-grpcio floor
 import netns  # benchmarks/netns.py, beside this file (sys.path[0], also in the workers)
 import numpy as np
+import stream_floor  # benchmarks/stream_floor.py: the bare-socket floor
 import torch
+
+# examples/, for `rl_steps` (it runs examples/rl_agents/main.py as `rl_agents.main`);
+# set at import, so every worker process, which imports this file, has it too.
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+if EXAMPLES not in sys.path:
+    sys.path.append(EXAMPLES)
 
 MiB = 1024 * 1024
 ECHO_SIZES = {
@@ -73,10 +102,14 @@ ECHO_SIZES = {
     "echo_1m": MiB,
     "echo_16m": 16 * MiB,
     "echo_128m": 128 * MiB,
+    "echo_fresh_1m": MiB,
+    "echo_fresh_16m": 16 * MiB,
+    "echo_fresh_128m": 128 * MiB,
     "veth_echo_16m": 16 * MiB,
     "veth_echo_128m": 128 * MiB,
 }
 ECHO_WARMUP = 2
+FRESH_KEPT = 4  # results an `echo_fresh_*` caller keeps alive
 PEAK_MEM_PAYLOAD = 128 * MiB
 PARAM_SERVER_BYTES = 4 * MiB
 RUN_TIMEOUT_S = 90.0  # one process group for one workload; a hang becomes "n/a (timeout ...)"
@@ -242,13 +275,37 @@ def echo_tensor(fw: Framework, n: int, nbytes: int) -> dict:
     return {"ms": median * 1e3, "gb_per_s": 2 * nbytes / median / 1e9}
 
 
-def floor_noop(port: int, n: int) -> dict:
-    times = floor.round_trips(port, n, floor.NOOP_BYTES, warmup=max(50, n // 10))
+def echo_fresh(fw: Framework, n: int, nbytes: int) -> dict:
+    """Like `echo_tensor`, but a new tensor every call, and the last results kept alive.
+
+    What a training or inference loop does: the tensor it sends was just made
+    (new pages, just written, never sent before) and it holds on to what came
+    back for a while (here the last FRESH_KEPT results). `echo_tensor` sends
+    one tensor again and again and drops each result: the kindest case for a
+    transport that keeps buffers (e.g. a pool of pre-faulted shared-memory
+    slots). Each tensor is made and written, and the oldest kept result
+    dropped, outside the timed call.
+    """
+    kept: collections.deque[torch.Tensor] = collections.deque(maxlen=FRESH_KEPT)
+    times = []
+    for i in range(ECHO_WARMUP + n):
+        t = torch.empty(nbytes // 4).fill_(i)
+        start = time.perf_counter()
+        result = fw.rpc.rpc_sync("server", echo, args=(t,))
+        times.append(time.perf_counter() - start)
+        kept.append(result)
+        del t, result
+    median = statistics.median(times[ECHO_WARMUP:])
+    return {"ms": median * 1e3, "gb_per_s": 2 * nbytes / median / 1e9}
+
+
+def floor_noop(bare: Floor, address: Any, n: int) -> dict:
+    times = bare.round_trips(address, n, floor.NOOP_BYTES, max(50, n // 10))
     return {"p50_us": percentile(times, 50) * 1e6, "p99_us": percentile(times, 99) * 1e6}
 
 
-def floor_echo(port: int, n: int, nbytes: int) -> dict:
-    median = statistics.median(floor.round_trips(port, n, nbytes, ECHO_WARMUP))
+def floor_echo(bare: Floor, address: Any, n: int, nbytes: int) -> dict:
+    median = statistics.median(bare.round_trips(address, n, nbytes, ECHO_WARMUP))
     return {"ms": median * 1e3, "gb_per_s": 2 * nbytes / median / 1e9}
 
 
@@ -273,6 +330,41 @@ def dist_autograd(fw: Framework, n: int) -> dict:
 
     times = timed_calls(step, n, warmup=5)
     return {"steps_per_s": n / sum(times)}
+
+
+def single_threaded() -> None:
+    """One intra-op thread, as the RL example sets on every rank (its network is tiny)."""
+    torch.set_num_threads(1)
+
+
+def rl_steps(fw: Framework, n: int) -> dict:
+    """examples/rl_agents: an agent and two observers playing CartPole, `n` episodes.
+
+    The example's own `Agent` and `Observer` (its module's `rpc` set to the
+    framework under test), driven as its `train` does, without the printing:
+    each episode the agent tells each observer to play one (`rpc_async` on an
+    RRef); the observer asks the agent for every action (`rpc_sync` on the
+    agent's RRef: 4 floats in, an int back, nested inside the first call);
+    then the agent makes its REINFORCE update. Seeds as in the example, so both
+    frameworks play the very same episodes: the same number of steps, shown
+    beside the rate. The first episode (connections, imports) is not timed.
+    """
+    import rl_agents.main as rl  # examples/rl_agents/main.py (EXAMPLES is on sys.path)
+
+    rl.rpc = fw.rpc
+    for rank in (1, 2):
+        fw.rpc.rpc_sync(f"observer{rank}", single_threaded)
+    single_threaded()
+    torch.manual_seed(0)
+    agent = rl.Agent(3, argparse.Namespace(seed=0, lr=1e-2, gamma=0.99))  # its defaults
+    agent.finish_episode(agent.run_episode())
+    steps = 0
+    start = time.perf_counter()
+    for _ in range(n):
+        rewards = agent.run_episode()
+        agent.finish_episode(rewards)
+        steps += sum(len(r) for r in rewards.values())
+    return {"steps_per_s": steps / (time.perf_counter() - start), "steps": steps}
 
 
 def param_server(fw: Framework, n: int) -> dict:
@@ -383,6 +475,56 @@ class Row:
     extra_unit: str = ""
 
 
+def loopback_port(pair: netns.VethPair | None) -> tuple[str, int]:
+    return "127.0.0.1", free_port()
+
+
+def abstract_unix_name(pair: netns.VethPair | None) -> str:
+    # Linux's abstract namespace (the leading NUL): nothing to remove afterwards.
+    return f"\0rrpc-bench-floor-{os.getpid()}-{time.monotonic_ns()}"
+
+
+def veth_port(pair: netns.VethPair | None) -> tuple[str, int]:
+    assert pair is not None
+    return pair.b.address, pair.b.free_port()
+
+
+@dataclass(frozen=True)
+class Floor:
+    """A bare transport doing a workload's round trips: a column beside the frameworks."""
+
+    name: str  # its key in the results, beside "torch" and "rrpc"
+    serve: Callable[[Any, Any, Any], None]  # (address, ready, stop): the echo server's process
+    round_trips: Callable[[Any, int, int, int], list[float]]  # (address, n, nbytes, warmup)
+    address: Callable[[netns.VethPair | None], Any]  # where the server listens, for one run
+    about: str  # its line under the table
+
+
+GRPCIO_FLOOR = Floor(
+    "grpcio floor",
+    floor.serve,
+    floor.round_trips,
+    loopback_port,
+    "the same round trip on a bare grpcio bidi stream (floor.py)",
+)
+UDS_FLOOR = Floor(
+    "uds floor",
+    stream_floor.serve,
+    stream_floor.round_trips,
+    abstract_unix_name,
+    "on a bare Unix socket, the calling thread doing its own I/O (stream_floor.py):"
+    " the floor under rrpc's same-host lane",
+)
+TCP_FLOOR = Floor(
+    "tcp floor",
+    stream_floor.serve,
+    stream_floor.round_trips,
+    veth_port,
+    "on a bare TCP stream over the same veth link, sendall and recv_into (stream_floor.py)",
+)
+ALL_FLOORS = (GRPCIO_FLOOR, UDS_FLOOR, TCP_FLOOR)
+
+
 @dataclass(frozen=True)
 class Workload:
     name: str
@@ -395,27 +537,28 @@ class Workload:
     combine: Callable[[list[dict]], dict] | None = None  # default: the first driver's metrics
     kwargs: dict = field(default_factory=dict)
     veth: bool = False  # client and server on two "hosts" (network namespaces), TCP only
-    # The same work on a bare grpcio stream (floor.py): (port, n, **kwargs) -> the same metrics.
+    # The same work on each of `floors`: (floor, address, n, **kwargs) -> the same metrics.
     floor: Callable[..., dict] | None = None
+    floors: tuple[Floor, ...] = ()
 
 
 SIDES = ("client", "server")
-FLOOR = "floor"  # the bare-grpcio floor's column (floor.py), beside torch and rrpc
 
 
-def _echo(name: str, n: int, n_quick: int, veth: bool = False) -> Workload:
+def _echo(name: str, n: int, n_quick: int, veth: bool = False, fresh: bool = False) -> Workload:
     row = Row("ms", "round trip", "ms", higher_is_better=False, extra="gb_per_s", extra_unit="GB/s")
     kwargs = {"nbytes": ECHO_SIZES[name]}
-    has_floor = name == "echo_4k"
+    floors = {"echo_4k": (GRPCIO_FLOOR, UDS_FLOOR)}.get(name, (TCP_FLOOR,) if veth else ())
     return Workload(
         name,
-        echo_tensor,
+        echo_fresh if fresh else echo_tensor,
         n,
         n_quick,
         (row,),
         kwargs=kwargs,
         veth=veth,
-        floor=floor_echo if has_floor else None,
+        floor=floor_echo if floors else None,
+        floors=floors,
     )
 
 
@@ -427,6 +570,7 @@ WORKLOADS = [
         500,
         (Row("p50_us", "rpc_sync p50", "µs", False), Row("p99_us", "rpc_sync p99", "µs", False)),
         floor=floor_noop,
+        floors=(GRPCIO_FLOOR, UDS_FLOOR),
     ),
     Workload(
         "async_64", async_64, 4000, 1500, (Row("calls_per_s", "64 in flight", "calls/s", True),)
@@ -438,6 +582,9 @@ WORKLOADS = [
     _echo("echo_1m", 100, 40),
     _echo("echo_16m", 20, 8),
     _echo("echo_128m", 4, 2),
+    _echo("echo_fresh_1m", 100, 40, fresh=True),
+    _echo("echo_fresh_16m", 20, 8, fresh=True),
+    _echo("echo_fresh_128m", 4, 2, fresh=True),
     _echo("veth_echo_16m", 20, 8, veth=True),
     _echo("veth_echo_128m", 4, 2, veth=True),
     Workload(
@@ -463,6 +610,14 @@ WORKLOADS = [
         roles=("trainer0", "trainer1", "server"),
         drivers=(0, 1),
         combine=combine_trainers,
+    ),
+    Workload(
+        "rl_steps",
+        rl_steps,
+        25,
+        10,
+        (Row("steps_per_s", "CartPole, 2 observers", "steps/s", True, "steps", "steps"),),
+        roles=("agent", "observer1", "observer2"),
     ),
     Workload(
         "peak_mem_128m",
@@ -692,32 +847,42 @@ def _exit_with(report: dict, results: Any) -> None:
     os._exit(0)
 
 
-def _tcp_only(framework: str, host: netns.Host) -> Any:
-    """Hold `framework` to plain TCP on `host`'s veth address; its backend options.
+# TensorPipe's CPU channels in this torch build, by its own priority (cma 1200,
+# mpt_uv 1100, basic 1000 in torch/csrc/distributed/rpc/tensorpipe_agent.h; the
+# names are the keys of TensorPipeChannelRegistry, visible in libtorch_cpu.so).
+# A list given as `_channels` is in priority order, first the highest.
+TENSORPIPE_DEFAULT_CHANNELS = ("cma", "mpt_uv", "basic")
 
-    rrpc: no shared memory (/dev/shm is shared across network namespaces, and
-    with it on the veth carried ~4 KiB for five 16 MiB round trips); listen on
-    and advertise the veth address.
-    torch: TensorPipe's `uv` transport (TCP) and `basic` channel (tensors over that
-    same connection). Its defaults add the `shm` transport and the `cma` and
-    `mpt_uv` channels; `cma` copies tensors with process_vm_readv, which works
-    across network namespaces: with `_transports=["uv"]` alone the veth carried
-    ~16 KiB for five 16 MiB round trips. TP_SOCKET_IFNAME makes TensorPipe
-    listen on and advertise the veth address, GLOO_SOCKET_IFNAME does the same
-    for the Gloo group torch's init_rpc builds for its barriers. Without either,
-    init fails: both advertise the address of the hostname, 127.0.0.1 here,
-    which inside a namespace is that namespace's own loopback.
-    Checked by hand: with these settings `ip -n <ns> -s link show <veth>` counted
-    80 MiB each way (rx and tx) for five 16 MiB round trips, for both
-    frameworks; and `run_once` checks the counters on every run.
+
+def _tcp_only(framework: str, host: netns.Host) -> Any:
+    """Hold `framework` to TCP on `host`'s veth address; its backend options.
+
+    rrpc: no shared memory and no same-host lane (/dev/shm is shared across
+    network namespaces, and with shared memory on the veth carried ~4 KiB for
+    five 16 MiB round trips); listen on and advertise the veth address.
+    torch: TensorPipe with its default transports and channels, less `cma`,
+    which copies tensors with process_vm_readv, and that works across network
+    namespaces: with `_transports=["uv"]` alone the veth carried ~16 KiB for
+    five 16 MiB round trips. What remains is what it would use between two
+    machines: `mpt_uv` (a tensor split over several TCP connections, each
+    driven by its own libuv thread) and `basic`, over the `uv` transport (its
+    `shm` transport requires the same network namespace, so it steps aside by
+    itself). TP_SOCKET_IFNAME makes TensorPipe listen on and advertise the
+    veth address, GLOO_SOCKET_IFNAME does the same for the Gloo group torch's
+    init_rpc builds for its barriers. Without either, init fails: both
+    advertise the address of the hostname, 127.0.0.1 here, which inside a
+    namespace is that namespace's own loopback.
+    `run_once` checks the link's byte counters on every run: at least the
+    payloads timed must have crossed it, each way.
     """
     if framework == "rrpc":
-        os.environ.update(RRPC_SHM="0", RRPC_ADVERTISE_HOST=host.address)
+        os.environ.update(RRPC_SHM="0", RRPC_LANE="0", RRPC_ADVERTISE_HOST=host.address)
         return None
     os.environ.update(TP_SOCKET_IFNAME=host.ifname, GLOO_SOCKET_IFNAME=host.ifname)
     from torch.distributed.rpc import TensorPipeRpcBackendOptions
 
-    return TensorPipeRpcBackendOptions(_transports=["uv"], _channels=["basic"])
+    channels = [c for c in TENSORPIPE_DEFAULT_CHANNELS if c != "cma"]
+    return TensorPipeRpcBackendOptions(_channels=channels)
 
 
 def _short_error(e: BaseException) -> str:
@@ -732,34 +897,66 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def floor_main(workload: Workload, n: int, port: int, results: Any) -> None:
-    """The floor's client process: the workload's floor against the echo server on `port`."""
+def floor_serve_main(
+    bare: Floor, address: Any, ready: Any, stop: Any, host: netns.Host | None
+) -> None:
+    """The floor's echo server process, on `host` if given."""
+    if host is not None:
+        netns.enter(host.netns)
+    bare.serve(address, ready, stop)
+
+
+def floor_main(
+    workload: Workload,
+    bare: Floor,
+    n: int,
+    address: Any,
+    results: Any,
+    host: netns.Host | None,
+) -> None:
+    """The floor's client process: the workload's floor against the echo server at `address`."""
     report: dict = {"rank": 0, "metrics": None, "error": None}
     try:
-        report["metrics"] = workload.floor(port, n, **workload.kwargs)  # type: ignore[misc]
+        if host is not None:
+            netns.enter(host.netns)
+        report["metrics"] = workload.floor(bare, address, n, **workload.kwargs)  # type: ignore[misc]
     except Exception as e:
         report["error"] = _short_error(e)
         traceback.print_exc(file=sys.stderr)
     _exit_with(report, results)
 
 
-def run_floor(workload: Workload, n: int) -> dict:
-    """The workload's floor in two fresh processes (echo server, client); its metrics."""
+def run_floor(workload: Workload, bare: Floor, n: int, pair: netns.VethPair | None) -> dict:
+    """The workload's floor `bare` in two fresh processes (echo server, client); its metrics.
+
+    For a `veth` workload, the client runs on host A of `pair` and the server on
+    host B, as the frameworks' do, and the link's counters are checked alike.
+    """
     spawn = multiprocessing.get_context("spawn")
     results = spawn.Queue()
     ready, stop = spawn.Event(), spawn.Event()
-    port = free_port()
-    server = spawn.Process(target=floor.serve, args=(port, ready, stop), daemon=True)
-    client = spawn.Process(target=floor_main, args=(workload, n, port, results), daemon=True)
+    address = bare.address(pair)
+    hosts = (pair.a, pair.b) if workload.veth and pair is not None else (None, None)
+    server = spawn.Process(
+        target=floor_serve_main, args=(bare, address, ready, stop, hosts[1]), daemon=True
+    )
+    client = spawn.Process(
+        target=floor_main, args=(workload, bare, n, address, results, hosts[0]), daemon=True
+    )
+    link_before = pair.link_bytes() if workload.veth and pair is not None else None
     try:
         server.start()
-        if not ready.wait(RUN_TIMEOUT_S):
-            return {"error": "the floor's echo server did not start"}
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not ready.wait(0.5):
+            if not server.is_alive() or time.monotonic() > deadline:
+                return {"error": f"the {bare.name}'s echo server did not start"}
         client.start()
         reports = collect_reports([client], results)
     finally:
         stop.set()
         for p in (client, server):
+            if p.pid is None:
+                continue  # never started
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
@@ -767,7 +964,12 @@ def run_floor(workload: Workload, n: int) -> dict:
         results.close()
     if isinstance(reports, str):
         return {"error": reports}
-    return {"error": reports[0]["error"]} if reports[0]["error"] else reports[0]["metrics"]
+    if reports[0]["error"]:
+        return {"error": reports[0]["error"]}
+    if link_before is not None:
+        assert pair is not None
+        return check_link(reports[0]["metrics"], pair, link_before, workload.kwargs["nbytes"], n)
+    return reports[0]["metrics"]
 
 
 def run_once(
@@ -778,8 +980,9 @@ def run_once(
     A `veth` workload runs its client (rank 0, which also hosts the rendezvous
     store) on host A of `pair` and its server on host B.
     """
-    if framework == FLOOR:
-        return run_floor(workload, n)
+    for bare in workload.floors:
+        if framework == bare.name:
+            return run_floor(workload, bare, n, pair)
     spawn = multiprocessing.get_context("spawn")
     results = spawn.Queue()
     hosts: list[netns.Host | None] = [None] * len(workload.roles)
@@ -883,8 +1086,9 @@ def benchmark(
         return {fw: {"unavailable": reason} for fw in frameworks}
     pair = hosts if isinstance(hosts, netns.VethPair) else None
     n = workload.n_quick if quick else workload.n
-    if workload.floor is not None and frameworks:
-        frameworks = [*frameworks, FLOOR]  # measured in the same interleaved repeats
+    if frameworks:
+        # The floors are measured in the same interleaved repeats.
+        frameworks = [*frameworks, *(bare.name for bare in workload.floors)]
     runs: dict[str, list[dict]] = {fw: [] for fw in frameworks}
     failed = dict(broken)
     for repeat in range(repeats):
@@ -936,9 +1140,10 @@ def machine_description() -> str:
 
 
 # Same-host echoes whose round-trip bandwidth is set against memcpy's.
-MEMCPY_ROWS = ("echo_16m", "echo_128m")
+MEMCPY_ROWS = ("echo_16m", "echo_128m", "echo_fresh_16m", "echo_fresh_128m")
 
 
+@functools.cache
 def memcpy_gb_per_s(nbytes: int) -> float:
     """One thread's memcpy here: bytes copied per second between two buffers
     of ``nbytes`` already touched (median of several copies)."""
@@ -1000,13 +1205,19 @@ def speedup(torch_result: dict, rrpc_result: dict, row: Row) -> float | None:
 
 
 def print_table(results: dict[str, dict], frameworks: list[str]) -> None:
+    """One line per row of each workload run; a row with several floors gets one
+    more line per floor after the first, its framework cells left blank."""
     header = ["workload", "metric", *frameworks]
     both = frameworks == ["torch", "rrpc"] or frameworks == ["rrpc", "torch"]
     if both:
         header = ["workload", "metric", "torch", "rrpc", "speedup (>1 = rrpc better)"]
-    floors = any(FLOOR in by_fw for by_fw in results.values())
-    if floors:
-        header += ["grpcio floor", "rrpc ÷ floor", "torch ÷ floor"]
+    floors_shown = [
+        bare
+        for bare in ALL_FLOORS
+        if any(bare.name in results.get(w.name, {}) for w in WORKLOADS if bare in w.floors)
+    ]
+    if floors_shown:
+        header += ["floor", "rrpc ÷ floor", "torch ÷ floor"]
     lines = []
     for workload in WORKLOADS:
         if workload.name not in results:
@@ -1020,12 +1231,17 @@ def print_table(results: dict[str, dict], frameworks: list[str]) -> None:
                 cells.append("" if ratio is None else f"{ratio:.2f}×")
             else:
                 cells += [format_cell(by_fw[fw], row) for fw in frameworks]
-            if floors and FLOOR in by_fw:
-                cells.append(format_cell(by_fw[FLOOR], row))
+            measured = [bare for bare in workload.floors if bare.name in by_fw]
+            for i, bare in enumerate(measured):
+                if i > 0:
+                    lines.append(cells)
+                    cells = [""] * (len(header) - 3)
+                kind = bare.name.removesuffix(" floor")
+                cells.append(f"{kind}: {format_cell(by_fw[bare.name], row)}")
                 for fw in ("rrpc", "torch"):
-                    ratio = speedup(by_fw[FLOOR], by_fw[fw], row) if fw in by_fw else None
+                    ratio = speedup(by_fw[bare.name], by_fw[fw], row) if fw in by_fw else None
                     cells.append("" if ratio is None else f"{1 / ratio:.2f}×")
-            elif floors:
+            if floors_shown and not measured:
                 cells += ["", "", ""]
             lines.append(cells)
     widths = [max(len(str(cells[i])) for cells in [header, *lines]) for i in range(len(header))]
@@ -1033,11 +1249,10 @@ def print_table(results: dict[str, dict], frameworks: list[str]) -> None:
         print("  ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip())
         if i == 0:
             print("  ".join("-" * w for w in widths))
-    if floors:
-        print(
-            "grpcio floor: the same round trip on a bare grpcio bidi stream (floor.py);"
-            " ÷ floor is time over the floor's time (1.00× = nothing above grpcio)"
-        )
+    for bare in floors_shown:
+        print(f"{bare.name}: {bare.about}")
+    if floors_shown:
+        print("÷ floor: time over the floor's time (1.00× = nothing above that bare transport)")
 
 
 # --- main ----------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The floor: what a bare grpcio bidi stream allows, measured in the benchmark's own run.
+"""The grpcio floor: what a bare grpcio bidi stream allows, measured in the benchmark's own run.
 
 No framework, no pickling, no tensors: a server whose one stream-stream method
 echoes every message it reads, and a client shaped like the cheapest RPC
@@ -10,9 +10,11 @@ three thread hand-offs per round trip, the fewest grpcio's Python API allows for
 a call whose caller blocks (a blocking unary-unary call is slower here: each one
 is a new HTTP/2 stream).
 
-`bench.py` runs it beside each workload that has a floor (`noop_sync`,
-`echo_4k`) in the same interleaved repeats, so "rrpc ÷ floor" says how much of a
-round trip is rrpc's own work, and "torch ÷ floor" where TensorPipe stands.
+`bench.py` runs it beside `noop_sync` and `echo_4k` in the same interleaved
+repeats, so "rrpc ÷ floor" says how much of a round trip is rrpc's own work
+over gRPC, and "torch ÷ floor" where TensorPipe stands. `stream_floor.py` is
+the floor under a bare socket (rrpc's same-host lane, the veth link).
+An address is a `(host, port)` tuple, as in `stream_floor.py`.
 """
 
 from __future__ import annotations
@@ -42,11 +44,11 @@ class _Echo(grpc.GenericRpcHandler):
         yield from requests
 
 
-def serve(port: int, ready: Any, stop: Any) -> None:
-    """Echo on 127.0.0.1:`port` until `stop` is set; set `ready` once listening."""
+def serve(address: tuple[str, int], ready: Any, stop: Any) -> None:
+    """Echo on `address` until `stop` is set; set `ready` once listening."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     server.add_generic_rpc_handlers((_Echo(),))
-    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.add_insecure_port("{}:{}".format(*address))
     server.start()
     ready.set()
     stop.wait()
@@ -56,8 +58,8 @@ def serve(port: int, ready: Any, stop: Any) -> None:
 class _Client:
     """One stream; `call(message)` sends it and blocks until its echo is back."""
 
-    def __init__(self, port: int):
-        self._channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    def __init__(self, address: tuple[str, int]):
+        self._channel = grpc.insecure_channel("{}:{}".format(*address))
         self._outgoing: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._waiting: queue.SimpleQueue[list] = queue.SimpleQueue()  # replies come in order
         echo = self._channel.stream_stream(METHOD)
@@ -86,9 +88,9 @@ class _Client:
         self._channel.close()
 
 
-def round_trips(port: int, n: int, nbytes: int, warmup: int) -> list[float]:
+def round_trips(address: tuple[str, int], n: int, nbytes: int, warmup: int) -> list[float]:
     """Seconds taken by each of `n` sequential echoes of `nbytes`, after `warmup` untimed."""
-    client = _Client(port)
+    client = _Client(address)
     message = b"x" * nbytes
     try:
         for _ in range(warmup):

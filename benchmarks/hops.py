@@ -37,7 +37,7 @@ WARMUP = 300
 
 def patch(marks: list) -> None:
     """Stamp (tag, ns) into ``marks`` at the entry (``>``) or exit (``<``) of rrpc's hops."""
-    from rrpc import agent, codec, futures
+    from rrpc import agent, futures, wire
 
     def stamp(owner, name, tag, at_exit=False):
         original = getattr(owner, name)
@@ -57,15 +57,15 @@ def patch(marks: list) -> None:
     stamp(agent.Agent, "_on_reply", "on_reply>")
     stamp(agent.Agent, "_on_request", "on_request>")
     stamp(agent.Agent, "_on_request", "on_request<", at_exit=True)
-    stamp(codec.FrameReader, "feed", "feed>")
+    stamp(wire.FrameReader, "feed", "feed>")
     stamp(futures.SyncReply, "set_result", "set_result>")
-    packets = codec.packets
+    packets = wire.packets
 
     def stamped_packets(*args, **kwargs):  # a generator: stamped when it starts
         marks.append(("packets>", T()))
         yield from packets(*args, **kwargs)
 
-    codec.packets = stamped_packets
+    wire.packets = stamped_packets
 
 
 def server(port, out):
