@@ -73,6 +73,7 @@ import torch
 from rrpc import (
     auth,
     codec,
+    dispatch,
     faults,
     lane,
     lane_listener,
@@ -81,6 +82,7 @@ from rrpc import (
     metrics,
     peers,
     restricted,
+    routes,
     shm,
     transport,
     wire,
@@ -96,7 +98,6 @@ from rrpc.futures import (
 )
 from rrpc.messages import (
     ERROR,
-    REPLY,
     MessageKey,
     PeerUnavailableError,
     RpcError,
@@ -111,11 +112,6 @@ from rrpc.scheduler import Scheduler
 from rrpc.streams import CLOSED
 
 log = logging.getLogger("rrpc")
-# A request that raised here, logged as torch's callee prints it: operators
-# read the callee's log. Its own logger, so that a user can silence it alone.
-request_errors_log = logging.getLogger("rrpc.request_errors")
-
-Handler = Callable[[Any, WorkerInfo], Any]
 # Sends again of a protocol message that never left (``send_reliably``):
 # torch's agent makes 5, 1 s apart and 1.5x longer each time; these take
 # 3.1 s in all.
@@ -156,15 +152,6 @@ class AutogradHooks(Protocol):
     ) -> Callable[[torch.Tensor], torch.Tensor]: ...
 
 
-class Deferred:
-    """A handler's result that is not ready yet: the reply waits for ``future``."""
-
-    __slots__ = ("future",)
-
-    def __init__(self, future: torch._C.Future):
-        self.future = future
-
-
 class Agent:
     """This process's RPC endpoint. Created by ``init_rpc``; see the module doc."""
 
@@ -174,7 +161,10 @@ class Agent:
         # Restricted mode is chosen per run, here: how every message is unpickled
         # (the CALL handler and RRef proxies check options.restricted too).
         self.unpickle = restricted.loads if options.restricted else pickle.loads
-        self.handlers: dict[int, Handler] = {}
+        # Serving: the handlers of each message kind, and the run of each request.
+        self.dispatcher = dispatch.Dispatcher(self)
+        self.handlers = self.dispatcher.handlers
+        self.register = self.dispatcher.register
         self.autograd_hooks: AutogradHooks | None = None
         self.metrics = metrics.Metrics()  # calls, errors, bytes, latency: by peer, by function
         # Dynamic membership: how many times this rank joined before (rrpc/membership.py).
@@ -182,16 +172,12 @@ class Agent:
         self.calls = CallTable()  # the calls this worker sent and awaits
         self.suspects: set[int] = set()  # ranks whose stream broke: maybe dead
         self._ids = itertools.count(1)
-        self._connections: dict[int, transport.Connection] = {}
-        self._connect_lock = threading.Lock()
-        self._opened: list[transport.Connection] = []  # every channel opened, closed at stop
         self._stopped = False
         # Set once init_rpc has learned every peer: requests wait for it.
         self.ready = threading.Event()
-        self._server_credentials, self._channel_credentials = transport.tls_credentials(
+        server_credentials, channel_credentials = transport.tls_credentials(
             options.tls_cert_file, options.tls_key_file, options.tls_ca_file
         )
-        self._metadata = [("rrpc-rank", str(rank))]
         shm.tune_allocator()
         # Same-host fast path: our slots, which peers on this host may map.
         self.shm_pool = shm.SenderPool() if options.shared_memory else None
@@ -199,7 +185,7 @@ class Agent:
         self.peers = peers.Directory(
             self.shm_pool, lane.lane_key() if options.same_host_lane else ""
         )
-        self._pool = WorkerPool(options.num_worker_threads, f"rrpc-{name}")
+        self.pool = WorkerPool(options.num_worker_threads, f"rrpc-{name}")
         # Timed work of this run (deadlines, resends, delays): short callbacks only.
         self.scheduler = Scheduler()
         # None unless FaultyRpcBackendOptions.
@@ -220,28 +206,28 @@ class Agent:
         self.rendezvous: Rendezvous | None = None  # how this run's workers found each other
         self.server = transport.Server(
             host,
-            self._on_request,
+            self.dispatcher.on_request,
             options.auth_token,
             options.chunk_size,
             options.max_message_size,
             scheduler=self.scheduler,
-            credentials=self._server_credentials,
-            attach=self._attach_from,
+            credentials=server_credentials,
+            attach=self.attach_from,
             batch_delay=options.batch_delay,
             batch_min_open=options.batch_min_open,
             rank=rank,
         )
         self.address = self.server.address
-        # The same-host lane (lane.py): our socket, which callers on this host
-        # dial, and our lanes to the peers on this host that have one.
+        # Our same-host lane's socket (lane_listener.py), which callers on this host dial.
         self.lane_listener: lane_listener.Listener | None = None
-        self.lanes: lane.Lanes | None = None
         if options.same_host_lane:
             token = auth.Token(options.auth_token) if options.auth_token else None
+            serve, admission = self.dispatcher.on_request, self.server.admission.of
             self.lane_listener = lane_listener.Listener(
-                rank, self._on_request, token, self._frame_reader, self.server.admission.of
+                rank, serve, token, self.frame_reader, admission
             )
-            self.lanes = lane.Lanes(rank, token, self._new_lane)
+        # The carriers of our calls: lanes and gRPC streams, by peer (routes.py).
+        self.routes = routes.Routes(self, channel_credentials)
 
     def advertisement(self) -> dict[str, Any]:
         """What peers need to know of this worker besides its address."""
@@ -255,12 +241,12 @@ class Agent:
             "lane_key": lane.lane_key() if self.lane_listener is not None else "",
         }
 
-    def _frame_reader(self, rank: int) -> wire.FrameReader:
+    def frame_reader(self, rank: int) -> wire.FrameReader:
         """Cuts the frames peer ``rank`` sends on a lane, with a stream's limits."""
-        attach = functools.partial(self._attach_from, rank)
+        attach = functools.partial(self.attach_from, rank)
         return wire.FrameReader(self.options.max_message_size, attach)
 
-    def _attach_from(self, rank: int, shared: Any) -> torch.Tensor:
+    def attach_from(self, rank: int, shared: Any) -> torch.Tensor:
         """A tensor over a shared-memory slot that peer ``rank`` sent on its
         stream: only in that peer's own pool (see shm's rules)."""
         peer = self.peers.get(rank)  # looked up if it joined after this one
@@ -276,11 +262,9 @@ class Agent:
         """Forget a worker that left the group (or the old incarnation of one that
         came back): calls to it fail at once with ``PeerUnavailableError(reason)``.
         Calls already on its stream go on unless ``close``."""
-        with self._connect_lock:
-            self.peers.remove(info, reason)
-            connection = self._connections.pop(info.id, None) if close else None
-        if connection is not None:
-            connection.close()
+        self.peers.remove(info, reason)
+        if close:
+            self.routes.remove(info.id)
 
     def worker_info(self, to: Any) -> WorkerInfo:
         """A name, a rank or a WorkerInfo as a known worker (``Directory.resolve``)."""
@@ -330,7 +314,7 @@ class Agent:
 
     def queue_depth(self) -> int:
         """Requests waiting for a worker thread."""
-        return self._pool.queued()
+        return self.pool.queued()
 
     # -- Sending ---------------------------------------------------------------
     def add_send_layer(self, layer: SendLayer) -> None:
@@ -365,11 +349,10 @@ class Agent:
             raise RpcError(f"{what} to {peer.name}: rrpc on {self.info.name} is shut down")
         context_id = thread_state.autograd_context_id
         request_id = next(self._ids)
-        out = self._encode(
+        out = self.encode(
             kind, request_id, obj, peer, context_id, (self.info.id, request_id, False)
         )
-        route = self._lane(peer)
-        connection = route or self._connection(peer)
+        connection, route = self.routes.to(peer)
         if sync:  # on a lane, the caller reads its own reply while nobody else reads
             future: SyncReply | Future = SyncReply(route.lead if route is not None else None)
         else:
@@ -383,7 +366,7 @@ class Agent:
         else:  # fault injection (rrpc/faults.py): fail it, delay it, or send it
             self.faults.send(peer, kind, obj, what, out, connection.send, self.calls, request_id)
         if connection.stream.state is CLOSED:  # it broke between lookup and send: fail now
-            self._on_stream_closed(peer, connection, connection.stream.error)
+            self.on_carrier_closed(peer, connection, connection.stream.error)
         elif route is not None and not sync:
             route.need_reader()
         return future
@@ -423,7 +406,7 @@ class Agent:
         attempt(0)
         return result
 
-    def _encode(
+    def encode(
         self,
         kind: int,
         request_id: int,
@@ -450,67 +433,7 @@ class Agent:
             self.autograd_hooks.on_send(context_id, peer, key, out.grad_tensors)
         return out
 
-    def _connection(self, peer: WorkerInfo) -> transport.Connection:
-        connection = self._connections.get(peer.id)
-        if connection is not None:
-            return connection
-        with self._connect_lock:
-            connection = self._connections.get(peer.id)
-            if connection is None:
-                if self._stopped:
-                    raise RpcError(f"rrpc on {self.info.name} is shut down")
-                address = self.peers.address(peer.id)
-                if address is None:
-                    raise PeerUnavailableError(
-                        self.peers.departed.get(peer.id, f"{peer.name} is not a known worker")
-                    )
-                connection = transport.Connection(
-                    address,
-                    self._metadata,
-                    on_frame=lambda frame: self._on_reply(peer, frame),
-                    on_close=lambda closed, error: self._on_stream_closed(peer, closed, error),
-                    packet_size=self.options.chunk_size,
-                    max_message_size=self.options.max_message_size,
-                    peer_name=peer.name,
-                    scheduler=self.scheduler,
-                    credentials=self._channel_credentials,
-                    attach=functools.partial(self._attach_from, peer.id),
-                    batch_delay=self.options.batch_delay,
-                    batch_min_open=self.options.batch_min_open,
-                    peer_timeout=self.options.peer_timeout,
-                    auth_token=self.options.auth_token,
-                    ranks=(self.info.id, peer.id),
-                )
-                self._connections[peer.id] = connection
-                self._opened.append(connection)
-        return connection
-
-    def _lane(self, peer: WorkerInfo) -> lane.Lane | None:
-        """The lane to ``peer``, if it shares this host and one is (or can be) open."""
-        lanes = self.lanes
-        if lanes is None:
-            return None
-        found = lanes.open.get(peer.id)
-        if found is not None:
-            return found
-        entry = self.peers.known(peer.id)
-        return lanes.to(peer, entry.lane_path) if entry is not None and entry.lane_path else None
-
-    def lane_to(self, peer: WorkerInfo) -> lane.Lane | None:
-        """The lane open to ``peer`` now, if any (for tests and stats)."""
-        return self.lanes.open.get(peer.id) if self.lanes is not None else None
-
-    def _new_lane(self, sock: Any, peer: WorkerInfo) -> lane.Lane:
-        return lane.Lane(
-            sock,
-            peer.name,
-            on_frame=functools.partial(self._on_reply, peer),
-            on_close=functools.partial(self._on_stream_closed, peer),
-            reader=self._frame_reader(peer.id),
-            peer_timeout=self.options.peer_timeout,
-        )
-
-    def _on_reply(self, peer: WorkerInfo, frame: wire.Frame) -> bool:
+    def on_reply(self, peer: WorkerInfo, frame: wire.Frame) -> bool:
         """Settle the call ``frame`` answers; False if it had ended already."""
         envelope = frame.envelope
         pending = self.calls.settle(envelope.request_id)
@@ -553,21 +476,9 @@ class Agent:
             ),
         )
 
-    def _on_stream_closed(self, peer: WorkerInfo, connection: Any, error: BaseException | None):
+    def on_carrier_closed(self, peer: WorkerInfo, connection: Any, error: BaseException | None):
         """A gRPC stream or a lane to ``peer`` ended: the calls on it fail."""
-        if isinstance(connection, lane.Lane):
-            assert self.lanes is not None
-            self.lanes.forget(peer.id, connection)
-            connection.release()
-            self._fail_calls_on(peer, connection, error)
-            return
-        if error is not None and self.lanes is not None:
-            self.lanes.break_to(peer.id, error)  # keepalive: the peer stopped answering
-        with self._connect_lock:
-            if self._connections.get(peer.id) is connection:
-                del self._connections[peer.id]  # the next call reconnects (or fails fast)
-            if connection in self._opened:
-                self._opened.remove(connection)
+        self.routes.closed(peer, connection, error)
         if error is not None and not self._stopped:
             self.suspects.add(peer.id)
             logs.event(
@@ -579,12 +490,6 @@ class Agent:
                 self.peers.address(peer.id) or "?",
                 error,
             )
-        # Close its channel now: an open channel left to the garbage collector
-        # can hang the interpreter's exit in gRPC's finalizer.
-        connection.release()
-        self._fail_calls_on(peer, connection, error)
-
-    def _fail_calls_on(self, peer: WorkerInfo, connection: Any, error: BaseException | None):
         if self._stopped:  # our own shutdown ended the stream: say so, not "peer unreachable"
             reason: BaseException = RpcError(f"rrpc on {self.info.name} shut down")
         else:
@@ -592,123 +497,6 @@ class Agent:
         for call in self.calls.broken(connection):  # not calls already on a newer stream
             metrics.ended(call.rows, timed_out=False)
             settle(call.future, error=type(reason)(f"{call.what} on {peer.name} failed: {reason}"))
-
-    # -- Serving ---------------------------------------------------------------
-    def register(self, kind: int, handler: Handler) -> None:
-        self.handlers[kind] = handler
-
-    def _on_request(self, frame: wire.Frame, peer_rank: int, respond, inline: bool) -> None:
-        if not self.ready.is_set():
-            # A peer that finished init_rpc first may call before this worker
-            # knows every peer and is current: its functions would not find them.
-            self.ready.wait(self.options.init_timeout)
-        entry = self.peers.get(peer_rank)  # looked up if it joined after this one
-        peer = entry.info if entry is not None else WorkerInfo(f"rank{peer_rank}", peer_rank)
-        # Inline: on the stream's reader thread, which handed reading to its partner.
-        inline = inline and self.options.run_inline
-        if not (inline and self._pool.run_inline(self._serve, frame, peer, respond)):
-            self._pool.submit(self._serve, frame, peer, respond)
-
-    def _serve(self, frame: wire.Frame, peer: WorkerInfo, respond) -> None:
-        envelope = frame.envelope
-        context_id = envelope.autograd_context_id
-        tensor_bytes = frame.tensor_bytes()
-        size = len(frame.payload) + tensor_bytes
-        handler = self.handlers.get(envelope.kind)
-        try:
-            if handler is None:
-                raise RpcError(
-                    f"{self.info.name} has no handler for {messages.kind_name(envelope.kind)}"
-                )
-            hook = None
-            if context_id and self.autograd_hooks is not None:
-                key = (peer.id, envelope.request_id, False)
-                hook = self.autograd_hooks.tensor_hook(context_id, peer, key)
-            request, waits = codec.loads_waiting(frame, peer, hook, self.unpickle)
-        except BaseException as exc:
-            rows = self.metrics.served(peer.name, envelope.kind, None, size, tensor_bytes)
-            self._reply_error(exc, peer, envelope.request_id, respond, rows)
-            return
-        del frame
-        rows = self.metrics.served(peer.name, envelope.kind, request, size, tensor_bytes)
-        run = (self._run, handler, request, peer, envelope.request_id, context_id, respond, rows)
-        if not waits:
-            run[0](*run[1:])
-            return
-        # It names a value still being created here: run it once that is done.
-        remaining = [len(waits)]
-        lock = threading.Lock()
-
-        def ready(_: Any) -> None:
-            with lock:
-                remaining[0] -= 1
-                if remaining[0]:
-                    return
-            self._pool.submit(*run)
-
-        for wait in waits:
-            on_done(wait, ready)
-
-    def _run(
-        self, handler, request, peer: WorkerInfo, request_id: int, context_id: int, respond, rows
-    ):
-        previous_context = thread_state.autograd_context_id
-        thread_state.autograd_context_id = context_id
-        try:
-            result = handler(request, peer)
-        except BaseException as exc:
-            self._reply_error(exc, peer, request_id, respond, rows)
-            return
-        finally:
-            thread_state.autograd_context_id = previous_context
-        if isinstance(result, Deferred):
-            on_done(
-                result.future,
-                lambda done: self._reply_future(done, peer, request_id, context_id, respond, rows),
-            )
-        else:
-            self._reply(result, peer, request_id, context_id, respond, rows)
-
-    def _reply_future(self, done, peer, request_id, context_id, respond, rows) -> None:
-        try:
-            result = done.value()
-        except BaseException as exc:
-            # See api.rpc_sync: drop the frames (and the future) from the traceback.
-            del done
-            self._reply_error(exc, peer, request_id, respond, rows)
-            exc.__traceback__ = None
-            return
-        self._reply(result, peer, request_id, context_id, respond, rows)
-
-    def _reply(
-        self, result: Any, peer: WorkerInfo, request_id: int, context_id: int, respond, rows
-    ):
-        try:
-            out = self._encode(
-                REPLY, request_id, result, peer, context_id, (peer.id, request_id, True)
-            )
-        except BaseException as exc:
-            self._reply_error(exc, peer, request_id, respond, rows)
-            return
-        metrics.replied(rows, out.size, out.tensor_bytes, error=False)
-        respond(out.pieces)
-
-    def _reply_error(self, exc: BaseException, peer: WorkerInfo, request_id: int, respond, rows):
-        payload = codec.remote_exception_payload(exc, self.info.name)
-        if getattr(exc, "remote_origin", None) is None:  # raised here, not passed on
-            _, type_name, _, text, _ = payload
-            logs.event(
-                "request-failed",
-                f"{peer.name}/{type_name}",  # once per caller and error type per interval
-                "%s: a request from %s raised (the caller gets it):\n%s",
-                self.info.name,
-                peer.name,
-                text.rstrip(),
-                logger=request_errors_log,
-            )
-        out = codec.encode(ERROR, request_id, payload, peer=peer)
-        metrics.replied(rows, out.size, out.tensor_bytes, error=True)
-        respond(out.pieces)
 
     # -- Lifecycle -------------------------------------------------------------
     def wait_idle(self, timeout: float, peer: int | None = None) -> bool:
@@ -727,31 +515,18 @@ class Agent:
         finish in time (frozen, partitioned) is cancelled instead."""
         deadline = time.monotonic() + timeout
         self.ready.set()  # release requests that waited for an init that failed
-        with self._connect_lock:
-            self._stopped = True
-            connections = list(self._connections.values())
-            self._connections.clear()
-            opened, self._opened = self._opened, []
-        lanes = self.lanes.stop() if self.lanes is not None else []
+        self._stopped = True
         for call in self.calls.close_all():
             metrics.ended(call.rows, timed_out=False)
             settle(call.future, error=RpcError(f"rrpc on {self.info.name} shut down"))
-        for connection in connections:
-            if graceful:
-                connection.close(max(0.0, deadline - time.monotonic()))
-            else:
-                connection.abort()
-        for connection in opened:  # broken ones too: an open channel can hang exit
-            connection.release()
-        for opened_lane in lanes:
-            opened_lane.close()
+        self.routes.stop(graceful, deadline)
         if self.lane_listener is not None:
             self.lane_listener.stop()
         self.server.stop(min(1.0, max(0.0, deadline - time.monotonic())) if graceful else 0)
         if self.shm_pool is not None:
             self.shm_pool.close()
         self.scheduler.stop()
-        self._pool.stop(max(0.5, deadline - time.monotonic()) if graceful else 0.5)
+        self.pool.stop(max(0.5, deadline - time.monotonic()) if graceful else 0.5)
 
 
 # The process's one pointer to its run (as torch's ``_agent``): the agent of

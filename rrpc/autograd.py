@@ -69,8 +69,9 @@ from typing import Any
 import torch
 
 from rrpc import agent as agent_module
-from rrpc.agent import Agent, Deferred
+from rrpc.agent import Agent
 from rrpc.autograd_context import Context, ContextTable
+from rrpc.dispatch import Deferred
 from rrpc.futures import all_of, all_settled, on_done, wait_until
 from rrpc.messages import (
     AUTOGRAD_BACKWARD,

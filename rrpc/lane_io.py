@@ -144,8 +144,9 @@ class Writer:
                     return
             for piece in pieces:
                 view = memoryview(piece).cast("B")
-                self._backlog.append(view)
-                self.backlog_bytes += len(view)
+                if view.nbytes:  # an empty one would never leave the queue (0 bytes sent)
+                    self._backlog.append(view)
+                    self.backlog_bytes += view.nbytes
             if self._sender is None:
                 self._sender = threading.Thread(
                     target=self._send_backlog, name=f"rrpc-lane-send-{self._name}", daemon=True

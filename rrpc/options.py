@@ -112,7 +112,9 @@ class RpcBackendOptions:
             self._transports = list(self._transports)
             unknown = set(self._transports) - {"uv", "shm", "ibv"}
             if unknown:
-                raise ValueError(f"unknown transports {sorted(unknown)} (TensorPipe's: uv, shm, ibv)")
+                raise ValueError(
+                    f"unknown transports {sorted(unknown)} (TensorPipe's: uv, shm, ibv)"
+                )
             self.same_host_lane = self.same_host_lane and "shm" in self._transports
         if self._channels is not None:
             self._channels = list(self._channels)

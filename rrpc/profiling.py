@@ -73,7 +73,8 @@ from torch.autograd import ProfilerConfig, ProfilerState
 from torch.autograd.profiler_util import MEMORY_EVENT_NAME, FunctionEvent
 
 from rrpc import futures
-from rrpc.agent import Agent, Deferred, Handler, Send
+from rrpc.agent import Agent, Send
+from rrpc.dispatch import Deferred, Handler
 from rrpc.functions import callable_name
 from rrpc.futures import Future, on_done, settle
 from rrpc.messages import CALL, PROFILED, RREF_CREATE, RpcError, WorkerInfo

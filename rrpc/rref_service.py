@@ -61,7 +61,8 @@ import torch
 from rrpc import agent as agent_module
 from rrpc import autograd as dist_autograd
 from rrpc import codec, functions, logs, restricted
-from rrpc.agent import Agent, Deferred
+from rrpc.agent import Agent
+from rrpc.dispatch import Deferred
 from rrpc.functions import async_execution, is_async_execution
 from rrpc.futures import on_done, outcome
 from rrpc.messages import (
@@ -202,9 +203,9 @@ class RRefService:
         except BaseException as exc:
             self._answered(send, exc)
             return
-        on_done(future, functools.partial(self._on_reply, send))
+        on_done(future, functools.partial(self.on_reply, send))
 
-    def _on_reply(self, send: Send, future: torch.futures.Future) -> None:
+    def on_reply(self, send: Send, future: torch.futures.Future) -> None:
         self._answered(send, outcome(future)[1])
 
     def _answered(self, send: Send, error: BaseException | None) -> None:

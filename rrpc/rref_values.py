@@ -28,7 +28,7 @@ import torch
 
 from rrpc import agent as agent_module
 from rrpc import functions, restricted
-from rrpc.agent import Deferred
+from rrpc.dispatch import Deferred
 from rrpc.functions import async_result_error, is_async_execution
 from rrpc.futures import SyncReply, copy_error, on_done, outcome, wait_until
 from rrpc.messages import RpcTimeoutError

@@ -43,8 +43,9 @@ import functools
 from typing import Any
 
 from rrpc import functions, metrics, rref, torch_profiler
-from rrpc.agent import Agent, Deferred
+from rrpc.agent import Agent
 from rrpc.autograd import Autograd
+from rrpc.dispatch import Deferred
 from rrpc.functions import async_result_error, is_async_execution
 from rrpc.messages import (
     AUTOGRAD_BACKWARD,

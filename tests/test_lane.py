@@ -32,7 +32,7 @@ pytestmark = pytest.mark.timeout(120)
 
 def _lane_open_to(name: str) -> bool:
     agent = current_agent()
-    return agent.lane_to(agent.worker_info(name)) is not None
+    return agent.routes.lane_to(agent.worker_info(name)) is not None
 
 
 def _echo(value):
@@ -138,7 +138,7 @@ def _break_mid_call(rank, world_size, release):
     agent = current_agent()
     peer = agent.worker_info("worker1")
     pending = rrpc.rpc_async("worker1", _wait_for_release)
-    opened = agent.lane_to(peer)
+    opened = agent.routes.lane_to(peer)
     opened._sock.shutdown(socket.SHUT_RDWR)  # the lane breaks under the pending call
     try:
         pending.wait()
@@ -204,3 +204,40 @@ def test_a_caller_without_the_token_is_refused_on_the_lane_and_the_worker_keeps_
     assert outcome["after_forged_proof"] == lane_io.REFUSED
     assert outcome["then"] == b""
     assert results[0] == (2.0, True)
+
+
+# -- The writer, without processes ---------------------------------------------------
+def test_writer_keeps_frames_whole_and_in_order_when_the_socket_is_full():
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    ours.setblocking(False)
+    writer = lane_io.Writer(ours, "test", limit=1 << 30)
+    big = bytes(range(256)) * (16 << 10)  # 4 MiB: far more than the socket buffer holds
+    frames = [[b"head%d" % i, b"", memoryview(big), b"tail%d" % i] for i in range(3)]
+    received = bytearray()
+
+    def read_all():
+        expected = sum(len(piece) for frame in frames for piece in frame)
+        while len(received) < expected:
+            received.extend(theirs.recv(1 << 20))
+
+    reader = threading.Thread(target=read_all)
+    for frame in frames:  # the first fills the socket; the rest queue behind it
+        writer.write(frame)
+    reader.start()
+    reader.join(30)
+    writer.drain(5)
+    assert bytes(received) == b"".join(bytes(p) for frame in frames for p in frame)
+    assert writer.backlog_bytes == 0
+    ours.close()
+    theirs.close()
+
+
+def test_writer_that_lost_its_peer_raises_lane_broken_on_the_next_write():
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    ours.setblocking(False)
+    writer = lane_io.Writer(ours, "test", limit=1 << 30)
+    theirs.close()
+    with pytest.raises(lane_io.LaneBroken):
+        writer.write([b"x" * 10])
+        writer.write([b"y" * 10])
+    ours.close()
