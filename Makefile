@@ -41,10 +41,13 @@ CONFORMANCE_ARGS ?=
 conformance: $(STAMP)
 	$(PY) -m conformance $(CONFORMANCE_ARGS)
 
+# lint-imports: the layers of ARCHITECTURE.md ([tool.importlinter] in
+# pyproject.toml); tests/test_layers.py checks them too, for `make test`.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy rrpc
+	$(VENV)/bin/lint-imports --no-cache
 
 # Messages only (python_out): rrpc defines its own service handlers, so no
 # grpc stubs are generated.

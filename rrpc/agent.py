@@ -1,60 +1,46 @@
-"""The agent: one per process. Sends requests, matches replies, serves requests.
+"""The agent: one per process and run. Sends requests and matches their replies; owns the run.
 
 Theory of operation:
 
 - ``send(peer, kind, obj, timeout, what)`` passes the request through the
   send layers (``add_send_layer``: profiling's RPC events), then encodes
   it, opens a call in the call table (``calls.CallTable``: request id ->
-  future, peer, deadline, stream) and queues the frame on the one stream
-  this worker keeps to ``peer``. The stream's receive thread completes the future when the REPLY
-  or ERROR with that id comes back.
-- A request frame arriving on the server is decoded and run on the worker
-  pool by the handler registered for its kind; the handler's result (or a
-  ``Deferred`` future's, for ``async_execution``) goes back as one reply.
+  future, peer, deadline, carrier) and writes the frame on the carrier to
+  ``peer`` (``routes.Routes``): its same-host lane when it has one
+  (``lane.py``), else the one gRPC stream this worker keeps to it
+  (``transport.py``). On a lane, ``rpc_sync``'s caller reads its own reply
+  while nobody else reads the lane (``SyncReply.lead``); otherwise the
+  carrier's reader completes the future (``on_reply``).
+- Requests arriving on either carrier are run by ``dispatch.Dispatcher``:
+  decoded, run by the handler registered for their kind, answered once.
 - Exactly one of three things ends a call, whichever takes it from the table
   first: its reply, its deadline (``calls.Deadlines``: one entry on the
-  run's scheduler, at the earliest deadline), or the stream it went out on
-  breaking. Taking is atomic, so a
-  late reply is dropped. The table decides; the agent completes.
+  run's scheduler, at the earliest deadline), or the carrier it went out on
+  breaking. Taking is atomic, so a late reply is dropped. The table decides;
+  the agent completes.
 - Upper layers plug in without the agent importing them: ``init_rpc``
   builds the run's services (``rrpc/worker.py``), which register handlers
   for their kinds and layers on the send path; distributed autograd sets
   ``autograd_hooks`` to see tensors that require grad as they are sent and
   received. The agent holds the services (``rrefs``, ``autograd``, ...):
-  one run, one owner.
+  one run, one owner, stopped in one order (``stop``).
 
 Where each job lives: the call table in ``calls.py`` (no I/O, unit-tested
-alone), futures and every wait in ``futures.py``, streams, packets and TLS
-credentials in ``transport.py``, frames in ``wire.py``, their payloads and the
-errors that travel in them in ``codec.py``, what restricted mode unpickles in
+alone), futures and every wait in ``futures.py``, serving in ``dispatch.py``,
+the carriers to each peer in ``routes.py`` (gRPC streams: ``transport.py``
+over ``streams.py``; lanes: ``lane.py``, ``lane_listener.py``,
+``lane_io.py``), frames in ``wire.py``, their payloads and the errors that
+travel in them in ``codec.py``, what restricted mode unpickles in
 ``restricted.py``, the worker pool in ``pool.py``, the peer directory in
-``peers.py``, timed work (deadlines, resends, handshake limits, delays) on
-``scheduler.py``'s one thread; here dispatch and connections.
+``peers.py``, timed work on ``scheduler.py``'s one thread.
 
-Threads (ARCHITECTURE.md has the full table, with what each runs). The rule:
-user code (functions, ``then``/``add_done_callback`` callbacks,
-``async_execution`` chains) never runs on a thread the transport needs.
+Threads: ARCHITECTURE.md lists every thread rrpc starts, with what each may
+run and block on. The rule: user code (functions, ``then`` /
+``add_done_callback`` callbacks, ``async_execution`` chains) never runs on a
+thread the transport needs.
 
-=========================  ===========================  ==========================
-thread                     may block on                 must never run
-=========================  ===========================  ==========================
-caller (the user's)        anything                     -
-``rrpc-recv-<peer>``       the socket                   user code (callbacks go to
-                                                        ``rrpc-callback-*``)
-gRPC request iterator      the outbox, flow control     anything but packing
-``rrpc-stream-*`` (server) the reply outbox             requests
-``rrpc-serve-<rank>-{0,1}``  the socket, or the request   a request while it holds
-                           it runs inline               the read turn
-``rrpc-<name>-<i>`` (pool) anything (a wait for an RPC  -
-                           gives its permit back)
-``rrpc-callback-<n>``      anything                     -
-``rrpc-scheduler``         nothing (short callbacks)    user code, anything that
-                                                        blocks
-``rrpc-rref-<name>``       its event queue              user code
-=========================  ===========================  ==========================
-
-Locks: none on the per-call path (the call table is a dict; ids come from an
-atomic counter). ``_connect_lock`` guards opening a peer's stream once.
+Locks: none of the agent's own on the per-call path (the call table is a
+dict; ids come from an atomic counter).
 """
 
 from __future__ import annotations
@@ -361,10 +347,14 @@ class Agent:
         rows = self.metrics.sent(peer.name, kind, obj, out.size, out.tensor_bytes)
         if self.calls.open(request_id, future, peer, what, timeout, now, connection, rows):
             self._deadlines.watch(now + timeout)
+        if route is not None:
+            route.expect()  # before any write: a delayed one must still be read
         if self.faults is None:
             connection.send(out.pieces)
-        else:  # fault injection (rrpc/faults.py): fail it, delay it, or send it
-            self.faults.send(peer, kind, obj, what, out, connection.send, self.calls, request_id)
+        # Fault injection (rrpc/faults.py): fail it, delay it, or send it.
+        elif self.faults.send(peer, kind, obj, what, out, connection.send, self.calls, request_id):
+            if route is not None:
+                route.ended()  # dropped: no reply will come
         if connection.stream.state is CLOSED:  # it broke between lookup and send: fail now
             self.on_carrier_closed(peer, connection, connection.stream.error)
         elif route is not None and not sync:

@@ -236,13 +236,14 @@ class Injector:
         put: Callable[[list[Any]], None],
         calls: CallTable,
         request_id: int,
-    ) -> None:
+    ) -> bool:
         """Send the encoded request ``out`` with ``put`` (the stream's), late
-        or not at all; a failed send fails call ``request_id`` of ``calls``."""
+        or not at all; a failed send fails call ``request_id`` of ``calls``.
+        True if the request was dropped (it will never be answered)."""
         name = torch_name(kind, obj, what, bool(out.grad_tensors))
         if name is None:
             put(out.pieces)
-            return
+            return False
         if name in self.failing:
             attempt = self._count_failure(name, out)
             if attempt:
@@ -254,12 +255,13 @@ class Injector:
                         f"the num_fail_sends={self.num_fail_sends} that fail)"
                     )
                     settle(call.future, error=error)
-                return
+                return True
         delay = self.delays.get(name)
         if not delay:
             put(out.pieces)
-            return
+            return False
         self._scheduler.call_later(delay, put, out.pieces)
+        return False
 
     def _count_failure(self, name: str, out: wire.Outgoing) -> int:
         """Which failing send of this message this is (from 1), or 0 once

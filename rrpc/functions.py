@@ -1,4 +1,4 @@
-"""Decorators for functions called over RPC; what restricted mode lets peers call.
+"""What users put on functions called over RPC: ``async_execution``; ``expose`` (restricted mode).
 
 Restricted mode (``RpcBackendOptions(restricted=True)``, env ``RRPC_RESTRICTED=1``)
 runs only what a worker exposed, and unpickles only safe types (``restricted.py``,

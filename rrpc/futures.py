@@ -13,8 +13,8 @@ transport thread, the callback is handed to ``callbacks``, a pool
 (``pool.ElasticThreads``) that grows a thread whenever none is free (a
 callback may block on anything, even on another callback); run elsewhere
 (the future was already done, or a user thread completed it), it runs right
-there, as in torch. Transport threads say
-so with ``mark_transport_thread()``. A future with user callbacks is also
+there, as in torch. Transport threads say so with
+``messages.mark_transport_thread()``. A future with user callbacks is also
 completed off the transport thread as a whole (``settle``), so that its
 callbacks keep torch's order: registration order, one after another.
 
@@ -38,47 +38,25 @@ Every wait and every combination of futures in rrpc goes through this module:
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import math
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from rrpc import pool
+from rrpc.messages import thread_state
+
+# lane.py imports it from here; it lives in messages.py (below the carriers).
 
 log = logging.getLogger("rrpc")
 
 _IDLE_EXIT = 30.0  # seconds an idle callback thread waits before it ends
-
-
-class _Marks(threading.local):
-    transport = False
-
-
-_marks = _Marks()
-
-
-def mark_transport_thread() -> None:
-    """Declare the calling thread one the transport needs: no user callback runs on it."""
-    _marks.transport = True
-
-
-@contextlib.contextmanager
-def transport_thread() -> Iterator[None]:
-    """Within the block, the calling thread is one the transport needs (a user
-    thread reading a lane's replies for every caller): user callbacks of the
-    futures it completes go to the callback pool."""
-    previous, _marks.transport = _marks.transport, True
-    try:
-        yield
-    finally:
-        _marks.transport = previous
 
 
 def blocking(wait: Callable[..., Any], *args: Any) -> Any:
@@ -112,7 +90,7 @@ callbacks = pool.ElasticThreads("rrpc-callback", _run_callback, idle_exit=_IDLE_
 
 def _off_transport(callback: Callable[[Any], Any]) -> Callable[[Any], Any]:
     def run(future: Any) -> None:
-        if _marks.transport:
+        if thread_state.transport:
             callbacks.put_or_grow((callback, (future,)))
         else:
             callback(future)
@@ -211,7 +189,7 @@ def copy_error(error: BaseException) -> BaseException:
 def settle(future: Any, value: Any = None, error: BaseException | None = None) -> None:
     """Complete ``future`` with ``value`` or ``error``, running its user
     callbacks off the transport (see the module doc)."""
-    if _marks.transport and getattr(future, "_has_user_callbacks", False):
+    if thread_state.transport and getattr(future, "_has_user_callbacks", False):
         callbacks.put_or_grow((_set, (future, value, error)))
     else:
         _set(future, value, error)

@@ -56,7 +56,6 @@ from collections.abc import Callable
 from typing import Any
 
 from rrpc import auth, logs, streams, wire
-from rrpc.futures import transport_thread
 from rrpc.lane_io import (
     ACCEPTED,
     ANSWER,
@@ -67,15 +66,15 @@ from rrpc.lane_io import (
     NO_PROOF,
     POLL_SLICE_MS,
     LaneBroken,
+    Reader,
     Writer,
     lane_key,
     peer_pid,
-    recv,
     recv_exactly,
     shut,
     unresponsive,
 )
-from rrpc.messages import AuthenticationError, PeerUnavailableError
+from rrpc.messages import AuthenticationError, PeerUnavailableError, transport_thread
 
 
 # -- The caller's end ------------------------------------------------------------
@@ -102,6 +101,7 @@ class Lane:
         self._quiet_limit = peer_timeout / 2
         self._heard = time.monotonic()
         self._sock = sock
+        self._bytes = Reader(sock)
         self.peer_name = peer_name
         self._on_frame = on_frame
         self._on_close = on_close
@@ -121,16 +121,13 @@ class Lane:
         self._thread.start()
 
     # Sending
-    def send(self, pieces: list[Any]) -> None:
-        """Write one request; its reply is awaited (counted open until ``ended``)."""
+    def expect(self) -> None:
+        """A call on this lane awaits its reply (counted open until ``ended``)."""
         with self._open_lock:
             self._open += 1
-        try:
-            self._writer.write(pieces)
-        except LaneBroken as exc:
-            self._break(exc)
 
-    def send_one_way(self, pieces: list[Any]) -> None:
+    def send(self, pieces: list[Any]) -> None:
+        """Write one frame (a request: ``expect`` its reply first)."""
         try:
             self._writer.write(pieces)
         except LaneBroken as exc:
@@ -160,20 +157,22 @@ class Lane:
             return False
         try:
             with transport_thread():
+                first = True  # its request was just written: no reply can be in yet
                 while not done() and not self.closed:
                     left_ms = (deadline - time.monotonic()) * 1000
                     if left_ms <= 0:
                         break
-                    self._read_once(int(min(POLL_SLICE_MS, left_ms)) + 1)
+                    self._read_once(int(min(POLL_SLICE_MS, left_ms)) + 1, first)
+                    first = False
         finally:
             self._turn.release()
             if self._open > 0 and not self.closed:
                 self.need_reader()
         return True
 
-    def _read_once(self, timeout_ms: int) -> None:
+    def _read_once(self, timeout_ms: int, wait_first: bool = False) -> None:
         try:
-            data = recv(self._sock, timeout_ms)
+            data = self._bytes.recv(timeout_ms, wait_first)
         except LaneBroken as exc:
             self._break(exc)
             return

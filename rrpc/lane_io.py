@@ -64,6 +64,10 @@ class LaneBroken(ConnectionError):
     ``PeerUnavailableError``, naming the peer)."""
 
 
+class LaneClosed(LaneBroken):
+    """The peer closed its end of the lane."""
+
+
 # -- Bytes on a non-blocking socket --------------------------------------------
 def wait(sock: socket.socket, events: int, timeout_ms: int) -> None:
     poller = select.poll()
@@ -71,21 +75,34 @@ def wait(sock: socket.socket, events: int, timeout_ms: int) -> None:
     poller.poll(timeout_ms)
 
 
-def recv(sock: socket.socket, timeout_ms: int = -1) -> bytes | None:
-    """Bytes from the socket; None if none came within ``timeout_ms``.
-    Raises LaneBroken at the end of the stream or on a socket error."""
-    for _ in range(2):
-        try:
-            data = sock.recv(RECV_SIZE)
-        except BlockingIOError:
-            wait(sock, select.POLLIN, timeout_ms)
-            continue
-        except OSError as exc:
-            raise LaneBroken(f"lane read failed: {exc}") from exc
-        if not data:
-            raise LaneBroken("lane closed by its peer")
-        return data
-    return None
+class Reader:
+    """The reading side of a lane's socket, for whichever thread holds its
+    read turn (one at a time: the poll object is not shared by two waits)."""
+
+    def __init__(self, sock: socket.socket):
+        self._sock = sock
+        self._poller = select.poll()
+        self._poller.register(sock.fileno(), select.POLLIN)
+
+    def recv(self, timeout_ms: int = -1, wait_first: bool = False) -> bytes | None:
+        """Bytes from the socket; None if none came within ``timeout_ms``
+        (-1: no limit). ``wait_first``: none can be there yet (a reply to a
+        request just written), so wait before reading. Raises LaneBroken at
+        the end of the stream or on a socket error."""
+        if wait_first:
+            self._poller.poll(timeout_ms)
+        for _ in range(2):
+            try:
+                data = self._sock.recv(RECV_SIZE)
+            except BlockingIOError:
+                self._poller.poll(timeout_ms)
+                continue
+            except OSError as exc:
+                raise LaneBroken(f"lane read failed: {exc}") from exc
+            if not data:
+                raise LaneClosed("lane closed by its peer")
+            return data
+        return None
 
 
 def recv_exactly(sock: socket.socket, size: int, deadline_ms: int) -> bytes:

@@ -32,9 +32,10 @@ from rrpc.lane_io import (
     NO_PROOF,
     REFUSED,
     LaneBroken,
+    LaneClosed,
+    Reader,
     Writer,
     goodbye,
-    recv,
     recv_exactly,
     shut,
 )
@@ -176,12 +177,13 @@ class Listener:
 
 def _packets(sock: socket.socket, writer: Writer) -> Iterator[bytes]:
     """The bytes a caller sends, until it closes its end (then StopIteration)."""
+    reader = Reader(sock)
     while True:
         try:
-            data = recv(sock)
+            data = reader.recv()
+        except LaneClosed:
+            return
         except LaneBroken as exc:
-            if writer.error is None and "closed by its peer" in str(exc):
-                return
             raise streams.StreamBroken(str(exc)) from exc
         if data is not None:
             yield data

@@ -1,4 +1,4 @@
-"""Shared vocabulary of every layer: message kinds, worker identity, errors.
+"""Shared vocabulary of every layer: message kinds, worker identity, errors, per-thread state.
 
 This is the bottom of the package; it imports nothing from rrpc. Every message
 on the wire has one of the kinds below. A request kind is answered by exactly
@@ -9,8 +9,10 @@ message's delivery is known to its sender and shutdown can wait for them.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 # -- Message kinds -------------------------------------------------------------
@@ -129,6 +131,28 @@ class _ThreadState(threading.local):
     # The distributed autograd context every RPC from this thread carries (0: none).
     # Set by rrpc.autograd.context() and, while a request runs, by the agent.
     autograd_context_id: int = 0
+    # True on a thread the transport needs to make progress (a stream's reader,
+    # the scheduler, a lane's reader): ``futures`` hands user callbacks of the
+    # futures it completes to the callback pool. It sits here, at the bottom,
+    # so that the carriers that set it need not import ``futures`` above them.
+    transport: bool = False
 
 
 thread_state = _ThreadState()
+
+
+def mark_transport_thread() -> None:
+    """Declare the calling thread one the transport needs: no user callback runs on it."""
+    thread_state.transport = True
+
+
+@contextlib.contextmanager
+def transport_thread() -> Iterator[None]:
+    """Within the block, the calling thread is one the transport needs (a user
+    thread reading a lane's replies for every caller): user callbacks of the
+    futures it completes go to the callback pool."""
+    previous, thread_state.transport = thread_state.transport, True
+    try:
+        yield
+    finally:
+        thread_state.transport = previous

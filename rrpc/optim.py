@@ -1,5 +1,7 @@
-"""``DistributedOptimizer``: one local optimizer per parameter owner, stepped with
-the gradients of a distributed autograd context (``torch.distributed.optim``).
+"""``DistributedOptimizer``: parameters on many workers, stepped with a context's gradients.
+
+As ``torch.distributed.optim``'s: one local optimizer per parameter owner,
+stepped with the gradients of a distributed autograd context.
 
 Theory of operation
 - The constructor groups the parameter RRefs by owner and asks each owner, in

@@ -1,5 +1,4 @@
-"""The peer directory: who the other workers are, where they listen, and what
-this worker may share with each.
+"""The peer directory: who the other workers are, where they listen, what each may share.
 
 One entry per worker this one knows: its ``WorkerInfo``, its address, and
 what it advertised at rendezvous — whether it runs the same ``__main__``

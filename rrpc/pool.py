@@ -1,7 +1,8 @@
-"""Thread pools: threads that grow on demand and retire when idle
-(``ElasticThreads``), and on them the worker pool that runs incoming requests
-(``WorkerPool``: permits, requests run inline, permits given back while a
-request waits for an RPC of its own).
+"""Thread pools: threads that grow on demand and retire when idle, and the worker pool.
+
+``ElasticThreads`` grows a thread when none is free and retires idle ones;
+on it, ``WorkerPool`` runs incoming requests (permits, requests run inline,
+permits given back while a request waits for an RPC of its own).
 
 Both of rrpc's pools are ``ElasticThreads``: the worker pool, and the
 callback pool of ``futures`` (user callbacks handed off a transport thread).

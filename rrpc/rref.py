@@ -1,5 +1,4 @@
-"""Remote references: ``RRef``, ``remote()``, and the proxies that run methods of a
-value on its owner.
+"""What users hold of a remote value: ``RRef``, ``remote()``, proxies that run its methods.
 
 An RRef names a value that lives on one worker, its owner; any worker may
 hold one, pass it on, and call methods of the value through it. What keeps

@@ -9,7 +9,7 @@ timeouts, fault injection's delayed frames (``faults``).
 Rules:
 
 - A callback runs on the ``rrpc-scheduler`` thread, a transport thread
-  (``futures.mark_transport_thread``): it must be short and never block, and
+  (``messages.mark_transport_thread``): it must be short and never block, and
   it never runs user code. What it completes with ``futures.settle`` has its
   user callbacks handed to a callback thread. Queueing a frame (a send, a
   resend) does not block and may run here; anything that may wait is handed
@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from rrpc.futures import mark_transport_thread
+from rrpc.messages import mark_transport_thread
 
 log = logging.getLogger("rrpc")
 

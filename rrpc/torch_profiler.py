@@ -1,5 +1,4 @@
-"""rrpc's events in torch's profilers: patches to torch's profile classes, and the
-server-process-global profile.
+"""rrpc's events in torch's profilers: patched profile classes, the server-global profile.
 
 ``profiling.py`` records what RPCs ran, on both sides, into ``Session``s;
 this file is where those events meet torch.

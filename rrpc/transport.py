@@ -1,9 +1,10 @@
-"""gRPC streams that carry frames between two workers. Knows nothing of messages.
+"""The gRPC carrier: the streams that carry frames between two workers, and the server.
 
-Theory of operation: every worker runs one gRPC server. To talk to a peer, a
-worker opens one bidirectional stream to the peer's server (``Connection``)
-and keeps it for its lifetime: requests flow on the stream's request side,
-their replies come back on its response side. The server side of that stream
+It carries frames and knows nothing of messages. Theory of operation: every
+worker runs one gRPC server. To talk to a peer, a worker opens one
+bidirectional stream to the peer's server (``Connection``) and keeps it for
+its lifetime: requests flow on the stream's request side, their replies
+come back on its response side. The server side of that stream
 (``Server._exchange``) hands each incoming frame to the agent together with a
 ``respond`` function that writes onto the same stream.
 
@@ -40,8 +41,7 @@ from typing import Any
 import grpc
 
 from rrpc import auth, logs, streams, wire
-from rrpc.futures import mark_transport_thread
-from rrpc.messages import AuthenticationError, PeerUnavailableError
+from rrpc.messages import AuthenticationError, PeerUnavailableError, mark_transport_thread
 from rrpc.scheduler import Handle, Scheduler
 from rrpc.streams import (
     AUTHENTICATE,

@@ -1,5 +1,4 @@
-"""What a worker runs for one ``init_rpc``: its services, the message kinds each
-serves, and the order they start and stop.
+"""What one ``init_rpc`` runs: its services, the kinds each serves, the order they start and stop.
 
 Rules:
 

@@ -25,12 +25,12 @@ def _stop_leftover_workers():
 @pytest.fixture(autouse=True)
 def _unmark_the_test_thread():
     """A test that drives a stream's reader on its own thread marks that thread
-    a transport thread (``futures.mark_transport_thread``); the next test's
+    a transport thread (``messages.mark_transport_thread``); the next test's
     callbacks must not see the mark."""
     yield
-    from rrpc import futures
+    from rrpc import messages
 
-    futures._marks.transport = False
+    messages.thread_state.transport = False
 
 
 @pytest.fixture(scope="module")

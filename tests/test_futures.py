@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from rrpc import futures
+from rrpc import futures, messages
 from rrpc.futures import Future
 
 
@@ -16,7 +16,7 @@ def _on_a_transport_thread(fn, *args):
     result = {}
 
     def run():
-        futures.mark_transport_thread()
+        messages.mark_transport_thread()
         result["thread"] = threading.current_thread()
         fn(*args)
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from rrpc import futures, scheduler
+from rrpc import messages, scheduler
 from rrpc.scheduler import Scheduler
 
 pytestmark = pytest.mark.timeout(30)
@@ -24,7 +24,7 @@ def _recorder():
     done = threading.Event()
 
     def record(*args):
-        ran.append((args, threading.current_thread().name, futures._marks.transport))
+        ran.append((args, threading.current_thread().name, messages.thread_state.transport))
         done.set()
 
     return ran, done, record

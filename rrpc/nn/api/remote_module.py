@@ -1,5 +1,6 @@
-"""``RemoteModule``: an ``nn.Module`` created on another worker and used from
-here, as ``torch.distributed.nn.RemoteModule``.
+"""``RemoteModule``: an ``nn.Module`` created on another worker and used from here.
+
+As ``torch.distributed.nn.RemoteModule``.
 
 Rules
 
