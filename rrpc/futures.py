@@ -63,6 +63,9 @@ def blocking(wait: Callable[..., Any], *args: Any) -> Any:
     """``wait(*args)``, a wait for an RPC's reply. On a thread that runs a
     request, the request's worker permit is given back meanwhile, so that
     nested calls deeper than ``num_worker_threads`` cannot deadlock."""
+    hand_off = thread_state.hand_off  # set while a stream's reader runs the request
+    if hand_off is not None:
+        hand_off()
     hooks = pool.this_thread.blocking_hooks  # set by the worker pool while it runs a request
     if hooks is None:
         return wait(*args)

@@ -24,10 +24,12 @@ user: ``lane_key``) carry their calls over a lane:
   caller that finds the turn taken waits for its reply like any other. When
   replies are awaited and nobody leads (``rpc_async``, or a leader that got
   its reply while others are still open), the lane's own reader thread reads.
-- **Callee.** Two threads take turns reading the lane (``streams.TakeTurns``,
-  as on a gRPC stream): the one that read a lone request hands the turn to its
-  partner and runs the request itself; its reply goes straight to the socket
-  from whichever thread produced it.
+- **Callee.** Two threads take turns reading the lane (``turns.TakeTurns``,
+  as on a gRPC stream): the one that read a lone request runs it itself,
+  lending it the read role, and reads the next one when it is done (its
+  partner takes over if the request waits for an RPC or runs long); the
+  reply goes straight to the socket from whichever thread produced it. A
+  sequential caller's round trip wakes no thread on either side.
 - Calls end as on gRPC: by their reply, their deadline, or the lane breaking
   (EOF, a reset, a malformed frame), which fails every call open on it at once
   with ``PeerUnavailableError`` naming the peer. The agent then sends the next
@@ -74,7 +76,12 @@ from rrpc.lane_io import (
     shut,
     unresponsive,
 )
-from rrpc.messages import AuthenticationError, PeerUnavailableError, transport_thread
+from rrpc.messages import (
+    AuthenticationError,
+    PeerUnavailableError,
+    thread_state,
+    transport_thread,
+)
 
 
 # -- The caller's end ------------------------------------------------------------
@@ -155,16 +162,20 @@ class Lane:
         awaited hands reading to the lane's reader thread."""
         if not self._turn.acquire(blocking=False):
             return False
+        # A transport thread while it reads (as ``messages.transport_thread()``,
+        # without a generator's cost on the per-call path).
+        state = thread_state
+        was_transport, state.transport = state.transport, True
         try:
-            with transport_thread():
-                first = True  # its request was just written: no reply can be in yet
-                while not done() and not self.closed:
-                    left_ms = (deadline - time.monotonic()) * 1000
-                    if left_ms <= 0:
-                        break
-                    self._read_once(int(min(POLL_SLICE_MS, left_ms)) + 1, first)
-                    first = False
+            first = True  # its request was just written: no reply can be in yet
+            while not done() and not self.closed:
+                left_ms = (deadline - time.monotonic()) * 1000
+                if left_ms <= 0:
+                    break
+                self._read_once(int(min(POLL_SLICE_MS, left_ms)) + 1, first)
+                first = False
         finally:
+            state.transport = was_transport
             self._turn.release()
             if self._open > 0 and not self.closed:
                 self.need_reader()

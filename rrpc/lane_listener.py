@@ -3,7 +3,7 @@
 See ``lane.py`` for the lane's theory of operation. A caller is served
 exactly as on a gRPC stream (``transport.Server``): it proves the cluster
 token first (the opening exchange in ``lane_io``), then two threads take
-turns reading its requests (``streams.TakeTurns``), its requests count
+turns reading its requests (``turns.TakeTurns``), its requests count
 against its bound of requests in flight (``streams.Admission``, shared
 with its gRPC streams), and its replies go straight to the socket from the
 thread that produced them (``lane_io.Writer``), whose backlog bounds the
@@ -22,7 +22,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from rrpc import auth, logs, streams, wire
+from rrpc import auth, logs, streams, turns, wire
 from rrpc.lane_io import (
     ACCEPTED,
     ANSWER,
@@ -139,24 +139,27 @@ class Listener:
             )
             self._on_request(frame, caller_rank, respond, inline)
 
-        turns = streams.TakeTurns(
+        readers = turns.TakeTurns(
             _packets(sock, writer),
             self._new_reader(caller_rank),
             on_frame,
             admit=streams.admit_with(in_flight, writer.wait_for_room, lambda: writer.error),
         )
         partner = threading.Thread(
-            target=turns.run, name=f"rrpc-lane-serve-{self.rank}", daemon=True
+            target=readers.run, name=f"rrpc-lane-serve-{self.rank}", daemon=True
         )
-        partner.start()
-        turns.run()
-        partner.join()
-        if turns.stream.error is not None:  # a malformed frame: tell the caller why
-            respond(goodbye(f"{type(turns.stream.error).__name__}: {turns.stream.error}"))
-            writer.drain(1.0)
-        in_flight.wake()
-        writer.fail(LaneBroken("lane ended"))
-        self._drop(sock)
+        try:
+            partner.start()
+            readers.run()
+            partner.join()
+            if readers.stream.error is not None:  # a malformed frame: tell the caller why
+                error = readers.stream.error
+                respond(goodbye(f"{type(error).__name__}: {error}"))
+                writer.drain(1.0)
+        finally:  # whatever ended it: the caller's calls on it fail now, not at their timeout
+            in_flight.wake()
+            writer.fail(LaneBroken("lane ended"))
+            self._drop(sock)
 
     def _drop(self, sock: socket.socket) -> None:
         with self._lock:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 # -- Message kinds -------------------------------------------------------------
@@ -136,6 +136,10 @@ class _ThreadState(threading.local):
     # futures it completes to the callback pool. It sits here, at the bottom,
     # so that the carriers that set it need not import ``futures`` above them.
     transport: bool = False
+    # While a stream's reader runs a request itself (``turns.TakeTurns``):
+    # hands its reading to its partner. ``futures.blocking`` calls it when the
+    # request waits for an RPC, whose reply may need that reading.
+    hand_off: Callable[[], None] | None = None
 
 
 thread_state = _ThreadState()

@@ -261,8 +261,22 @@ def function_of(kind: int, obj: Any) -> str:
     return kind_label(kind)
 
 
+_names: dict[Any, str] = {}  # function_name's answers, for the functions called most
+
+
 def function_name(func: Any) -> str:
     """``module.qualname`` of a function (a builtin: ``module.name``, e.g. ``torch.add``)."""
+    try:
+        return _names[func]
+    except (KeyError, TypeError):  # not seen yet, or not hashable
+        pass
+    name = _function_name(func)
+    if isinstance(func, (types.FunctionType, types.BuiltinFunctionType)) and len(_names) < 4096:
+        _names[func] = name  # functions hash by identity and keep their names
+    return name
+
+
+def _function_name(func: Any) -> str:
     name: Any = func.__name__ if isinstance(func, types.BuiltinFunctionType) else None
     if name is None:
         name = getattr(func, "__qualname__", None)

@@ -15,9 +15,9 @@ Theory of operation:
   before cutting a packet: each gRPC message costs ~100 µs of Python per side
   here, so packets of 10-40 frames instead of 2-3 halve the CPU per call
   under load, while a lone call never waits.
-- **Serving** (``TakeTurns``): two threads take turns reading an incoming
-  stream. The one that read a lone request passes the turn on and may run the
-  request itself, sparing the hand-off to a pool thread.
+- **Serving** (``turns.TakeTurns``, which builds on this module): two
+  threads take turns reading an incoming stream; a lone request runs on the
+  thread that read it.
 - **Admission** (``InFlight``): one calling peer cannot starve the others.
   Its requests read and waiting to be run are bounded (``PEER_IN_FLIGHT``,
   across all its streams); at the bound its streams' readers stop reading,
@@ -193,6 +193,7 @@ class InFlight:
     def __init__(self, limit: int = PEER_IN_FLIGHT):
         self.limit = limit
         self.count = 0
+        self._waiting = 0  # readers waiting in ``take``: ``give`` wakes them only
         # Reentrant: a frame may be freed by a garbage collection that runs
         # while this thread holds the lock.
         self._changed = threading.Condition(threading.RLock())
@@ -204,14 +205,19 @@ class InFlight:
             while self.count and self.count + weight > self.limit:
                 if ended():
                     return False
-                self._changed.wait()
+                self._waiting += 1
+                try:
+                    self._changed.wait()
+                finally:
+                    self._waiting -= 1
             self.count += weight
         return True
 
     def give(self, weight: int = 1) -> None:
         with self._changed:
             self.count -= weight
-            self._changed.notify_all()
+            if self._waiting:
+                self._changed.notify_all()
 
     def wake(self) -> None:
         """A stream ended: its reader may be waiting in ``take``."""
@@ -239,7 +245,7 @@ class Admission:
 def admit_with(
     in_flight: InFlight, wait_for_room: Callable[[], bool], ended: Callable[[], Any]
 ) -> Callable[[wire.Frame], bool]:
-    """``TakeTurns``'s ``admit`` for a stream whose unsent replies wait in
+    """``turns.TakeTurns``'s ``admit`` for a stream whose unsent replies wait in
     ``wait_for_room`` and whose peer's requests count in ``in_flight``;
     ``ended()`` is true once the stream ended."""
 
@@ -398,111 +404,3 @@ def _taken(frames: list[wire.Frame]) -> Iterator[wire.Frame]:
         frames[index] = None  # type: ignore[call-overload]
         yield frame
         del frame
-
-
-def _next_frame(frames: Iterator[wire.Frame]) -> tuple[wire.Frame | None, Exception | None]:
-    """The next frame of a packet (None at its end), or why it is malformed."""
-    try:
-        return next(frames, None), None
-    except Exception as exc:
-        return None, exc
-
-
-class TakeTurns:
-    """Two threads take turns reading one incoming stream: each runs ``run``.
-
-    The thread that read a request hands the turn to the other, if that one is
-    free, and runs the request itself (``on_frame(frame, inline=True)``): a
-    lone call then goes from the socket to its function with no thread
-    hand-off, which is ~50 µs here. Other requests (a busy partner, all but
-    the last frame of a packet) go to the agent's pool, so reading never
-    waits for a request to finish and a request that blocks stalls nothing.
-
-    ``admit(frame)`` runs before each request is handed on, with the turn
-    held, so requests start in the order they came: it may block (the peer
-    is at its bound of requests in flight, which stops reading) and returns
-    False if the stream ended meanwhile.
-
-    ``packets`` ends (StopIteration) when the peer half-closed its side, and
-    raises (``StreamBroken``, or the carrier's own error) when it went away.
-    The readers read while the stream is OPEN: ``outbox``'s state, if given
-    (its received frames are counted, and it ends with the stream), else an
-    open state of their own.
-    """
-
-    def __init__(
-        self,
-        packets: Iterator[bytes],
-        reader: wire.FrameReader,
-        on_frame: Callable[[wire.Frame, bool], None],
-        admit: Callable[[wire.Frame], bool] | None = None,
-        outbox: Outbox | None = None,
-    ):
-        self._packets = packets
-        self._reader = reader
-        self._on_frame = on_frame
-        self._admit = admit or (lambda frame: True)
-        self._outbox = outbox
-        self.stream = outbox.stream if outbox is not None else StreamState(OPEN)
-        self._turn = threading.Lock()  # held by the thread that reads
-        self._guard = threading.Lock()
-        self._waiting = 0  # threads waiting for the turn
-
-    def run(self) -> None:
-        mark_transport_thread()
-        stream, outbox = self.stream, self._outbox
-        while True:
-            with self._guard:
-                self._waiting += 1
-            self._turn.acquire()
-            with self._guard:
-                self._waiting -= 1
-            if stream.state is not OPEN:  # half-closed or ended: nothing more to read
-                self._reader.close()
-                self._turn.release()
-                return
-            try:
-                packet = next(self._packets)
-            except StopIteration:  # the peer half-closed: answer what it sent, then end
-                stream.move(HALF_CLOSE)
-                self._reader.close()
-                if outbox is not None:
-                    outbox.end_if_answered()
-                self._turn.release()
-                return
-            except Exception:  # the peer went away; its side reports it
-                return self._end(None)
-            # Frames are decoded one at a time, each looking one ahead (only
-            # the packet's last may run inline).
-            frames = self._reader.frames_in(packet)
-            del packet
-            frame, error = _next_frame(frames)
-            while frame is not None:
-                following, error = _next_frame(frames)
-                if outbox is not None:
-                    outbox.received += 1
-                if not self._admit(frame):
-                    return self._end(None)  # the peer went away while we waited
-                if following is not None or error is not None:
-                    self._on_frame(frame, False)
-                    frame = following
-                    continue
-                with self._guard:
-                    inline = self._waiting > 0
-                self._turn.release()
-                self._on_frame(frame, inline)
-                # Nothing stays referenced while waiting: a received tensor's
-                # shared-memory slot is freed with its last reference.
-                del frame
-                break
-            else:
-                if error is not None:  # a malformed frame: end this stream, keep serving others
-                    return self._end(error)
-                self._turn.release()
-
-    def _end(self, error: BaseException | None) -> None:
-        self.stream.move(END, error)
-        self._reader.close()
-        if self._outbox is not None:
-            self._outbox.end(error)
-        self._turn.release()

@@ -40,7 +40,7 @@ from typing import Any
 
 import grpc
 
-from rrpc import auth, logs, streams, wire
+from rrpc import auth, logs, streams, turns, wire
 from rrpc.messages import AuthenticationError, PeerUnavailableError, mark_transport_thread
 from rrpc.scheduler import Handle, Scheduler
 from rrpc.streams import (
@@ -256,7 +256,7 @@ class Server:
 
     ``on_frame(frame, peer_rank, respond, inline)`` is called on a reader
     thread of the stream for every request frame, with ``inline`` True when
-    that thread may run the request itself (see ``streams.TakeTurns``);
+    that thread may run the request itself (see ``turns.TakeTurns``);
     ``respond(pieces)`` queues a reply frame on the same stream;
     ``attach(peer_rank, descriptor)`` builds a tensor over a shared-memory
     slot that the caller of rank ``peer_rank`` named. ``admission`` bounds
@@ -364,7 +364,7 @@ class Server:
             )
             self._on_frame(frame, peer_rank, respond, inline)
 
-        readers = streams.TakeTurns(
+        readers = turns.TakeTurns(
             requests,
             reader,
             on_frame,

@@ -119,7 +119,11 @@ def _thread_name():
 
 @pytest.mark.parametrize("inline", ["1", "0"], ids=["inline_on", "inline_off"])
 def test_a_lone_call_runs_on_the_thread_that_read_it_unless_switched_off(inline):
-    # One call at a time: the stream's reader runs it, with no hop to a pool thread.
+    # One call at a time: the reader of its stream or lane runs it, with no hop
+    # to a pool thread (rrpc-<name>-<i>).
     [names, _] = run_workers(_thread_names, 2, env={"RRPC_INLINE": inline}, timeout=60)
-    on_reader = {name for name in names if name.startswith("rrpc-serve-")}
-    assert bool(on_reader) == (inline == "1"), names
+    on_reader = {name for name in names if name.startswith(("rrpc-serve-", "rrpc-lane-serve-"))}
+    if inline == "1":
+        assert names == on_reader, names
+    else:
+        assert not on_reader, names

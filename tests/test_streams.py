@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from rrpc import codec, streams, wire
+from rrpc import codec, streams, turns, wire
 from rrpc.messages import ProtocolError
 from rrpc.streams import (
     AUTHENTICATE,
@@ -124,7 +124,7 @@ def test_a_half_closed_stream_ends_after_its_last_reply():
 def test_readers_of_a_caller_that_half_closed_answer_nothing_more_and_end():
     outbox = streams.Outbox(packet_size=1 << 20)
     seen: list[str] = []
-    readers = streams.TakeTurns(
+    readers = turns.TakeTurns(
         iter([_packet("a")]),
         wire.FrameReader(),
         lambda frame, inline: seen.append(codec.loads(frame)),
@@ -139,7 +139,7 @@ def test_readers_of_a_caller_that_half_closed_answer_nothing_more_and_end():
 
 def test_readers_end_the_stream_with_the_error_of_a_malformed_frame():
     outbox = streams.Outbox(packet_size=1 << 20)
-    readers = streams.TakeTurns(
+    readers = turns.TakeTurns(
         iter([b"\xff\xff\xff\x7fgarbage"]), wire.FrameReader(), lambda f, i: None, outbox=outbox
     )
     readers.run()
@@ -152,7 +152,7 @@ def test_readers_end_the_stream_when_its_peer_goes_away():
         raise streams.StreamBroken("reset by peer")
         yield b""
 
-    readers = streams.TakeTurns(broken(), wire.FrameReader(), lambda f, i: None)
+    readers = turns.TakeTurns(broken(), wire.FrameReader(), lambda f, i: None)
     readers.run()
     assert (readers.stream.state, readers.stream.error) == (CLOSED, None)
 
@@ -163,7 +163,7 @@ def test_readers_read_nothing_of_a_stream_that_is_not_open():
         yield b""
 
     outbox = streams.Outbox(packet_size=1 << 20, stream=StreamState(AUTHENTICATING))
-    streams.TakeTurns(never_read(), wire.FrameReader(), lambda f, i: None, outbox=outbox).run()
+    turns.TakeTurns(never_read(), wire.FrameReader(), lambda f, i: None, outbox=outbox).run()
     assert outbox.stream.state is AUTHENTICATING
 
 

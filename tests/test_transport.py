@@ -8,7 +8,7 @@ import weakref
 import numpy as np
 import pytest
 
-from rrpc import codec, options, streams, wire
+from rrpc import codec, options, streams, turns, wire
 from rrpc._proto.rrpc_pb2 import Envelope
 from rrpc.messages import ProtocolError
 
@@ -116,17 +116,17 @@ def _packet(*names: str) -> bytes:
 
 
 def _turns(packets, waiting_partner: bool):
-    """Run one reader over ``packets`` on this thread; with ``waiting_partner``
-    as if the other reader were waiting for the turn. Returns what it did."""
+    """Run one reader over ``packets`` on this thread; without ``waiting_partner``
+    as if the other reader were running a request. Returns what it did."""
     outbox = streams.Outbox(packet_size=1 << 20)
     seen = []
-    readers = streams.TakeTurns(
+    readers = turns.TakeTurns(
         iter(packets),
         wire.FrameReader(),
         lambda frame, inline: seen.append((codec.loads(frame), inline)),
         outbox=outbox,
     )
-    readers._waiting = 1 if waiting_partner else 0
+    readers._running = 0 if waiting_partner else 1
     readers.run()
     return seen, outbox
 
@@ -257,7 +257,7 @@ def test_requests_are_admitted_in_order_and_reading_stops_when_admission_fails()
         admitted.append(name)
         return name != "c"  # the stream ended while "c" waited
 
-    readers = streams.TakeTurns(
+    readers = turns.TakeTurns(
         iter([_packet("a", "b", "c", "d"), _packet("e")]),
         wire.FrameReader(),
         lambda frame, inline: handed.append(codec.loads(frame)),

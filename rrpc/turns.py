@@ -1,0 +1,198 @@
+"""Serving one incoming stream: two threads take turns reading it, and a lone request runs on its reader.
+
+Nothing here knows gRPC or sockets: a carrier (``transport.py``'s gRPC
+server, ``lane_listener.py``'s lane) hands in the packets it receives as an
+iterator, and ``on_frame`` takes each request away.
+
+Theory of operation. Handing a request from the thread that read it to a
+pool thread costs a wake-up, tens of microseconds on a small VM; so does
+handing the *reading* to another thread. A sequential caller (``rpc_sync``
+in a loop) sends one request at a time, and the cheapest way to serve it is
+for its reader to run it and go back to reading, waking nobody. But a
+request may run long, or block on something that only a later request of
+the same caller can give (an RPC back to the caller that must be read
+here): then reading must go on without it. So:
+
+- One thread at a time holds the **read role** (``_reader``) and reads a
+  packet. All but the last frame of a packet go to the pool; the last, a
+  lone request, the reader runs itself (``on_frame(frame, inline=True)``)
+  while keeping the role: it **lends** it (``_lent_at``), and when the
+  request is done it reads on. No thread is woken.
+- The partner waits for the role. While the role is lent, it takes it over
+  once the request has run for ``HANDOFF_AFTER``, or at once when the
+  request waits for an RPC of its own (``futures.blocking`` calls the
+  ``thread_state.hand_off`` this module sets while it runs a request). The
+  runner, done, finds the role taken and becomes the partner. The partner
+  cannot be told that a lend began without waking it, so it looks again
+  every ``STANDBY_WAIT`` seconds while another thread reads: a request
+  that runs long is relieved within ``STANDBY_WAIT + HANDOFF_AFTER``; one
+  that blocks on an RPC, at once.
+- A reader runs a request inline only while no other thread runs one: one
+  thread is always free to read (or to take over reading), so a request
+  that blocks stalls nothing but itself.
+
+``admit(frame)`` runs before each request is handed on, by the reader
+(role held), so requests start in the order they came: it may block (the
+peer is at its bound of requests in flight, which stops reading) and
+returns False if the stream ended meanwhile.
+
+``packets`` ends (StopIteration) when the peer half-closed its side, and
+raises (``StreamBroken``, or the carrier's own error) when it went away.
+The readers read while the stream is OPEN: ``outbox``'s state, if given
+(its received frames are counted, and it ends with the stream), else an
+open state of their own.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+from rrpc import wire
+from rrpc.messages import mark_transport_thread, thread_state
+from rrpc.streams import END, HALF_CLOSE, OPEN, Outbox, StreamState
+
+# A request run inline for this long while the role is lent gets its reading
+# taken over by the partner (seconds).
+HANDOFF_AFTER = 0.002
+# How often a partner looks whether the role was lent long enough (seconds):
+# what a long inline request may delay the next request of its caller by,
+# and one wake-up of an idle partner per period.
+STANDBY_WAIT = 0.02
+
+
+def _next_frame(frames: Iterator[wire.Frame]) -> tuple[wire.Frame | None, Exception | None]:
+    """The next frame of a packet (None at its end), or why it is malformed."""
+    try:
+        return next(frames, None), None
+    except Exception as exc:
+        return None, exc
+
+
+class TakeTurns:
+    """Two threads read one incoming stream, each running ``run`` (see the module doc)."""
+
+    def __init__(
+        self,
+        packets: Iterator[bytes],
+        reader: wire.FrameReader,
+        on_frame: Callable[[wire.Frame, bool], None],
+        admit: Callable[[wire.Frame], bool] | None = None,
+        outbox: Outbox | None = None,
+    ):
+        self._packets = packets
+        self._reader = reader
+        self._on_frame = on_frame
+        self._admit = admit or (lambda frame: True)
+        self._outbox = outbox
+        self.stream = outbox.stream if outbox is not None else StreamState(OPEN)
+        # The role, under _changed: who reads (a thread ident, None: nobody),
+        # since when it is lent to a request its reader runs (0.0: not lent),
+        # and how many threads run a request inline (0 or 1).
+        self._changed = threading.Condition(threading.Lock())
+        self._role: int | None = None
+        self._lent_at = 0.0
+        self._running = 0
+
+    def run(self) -> None:
+        mark_transport_thread()
+        me = threading.get_ident()
+        stream, outbox = self.stream, self._outbox
+        reading = False  # whether this thread holds the role
+        while True:
+            if not reading:
+                self._take_role(me)
+                reading = True
+            if stream.state is not OPEN:  # half-closed or ended: nothing more to read
+                self._reader.close()
+                return self._give_up_role()
+            try:
+                packet = next(self._packets)
+            except StopIteration:  # the peer half-closed: answer what it sent, then end
+                stream.move(HALF_CLOSE)
+                self._reader.close()
+                if outbox is not None:
+                    outbox.end_if_answered()
+                return self._give_up_role()
+            except Exception:  # the peer went away; its side reports it
+                return self._end(None)
+            # Frames are decoded one at a time, each looking one ahead (only
+            # the packet's last may run inline).
+            frames = self._reader.frames_in(packet)
+            del packet
+            frame, error = _next_frame(frames)
+            while frame is not None:
+                following, error = _next_frame(frames)
+                if outbox is not None:
+                    outbox.received += 1
+                if not self._admit(frame):
+                    return self._end(None)  # the peer went away while we waited
+                if following is not None or error is not None:
+                    self._on_frame(frame, False)
+                    frame = following
+                    continue
+                reading = self._hand_on(me, frame)
+                # Nothing stays referenced while waiting: a received tensor's
+                # shared-memory slot is freed with its last reference.
+                del frame
+                break
+            else:
+                if error is not None:  # a malformed frame: end this stream, keep serving others
+                    return self._end(error)
+
+    def _hand_on(self, me: int, frame: wire.Frame) -> bool:
+        """Hand on the last request of a packet: run it here, the role lent,
+        if no other thread runs one; else to the pool. Whether this thread
+        still holds the role."""
+        with self._changed:
+            inline = self._running == 0
+            if inline:
+                self._running = 1
+                self._lent_at = time.monotonic()
+        if not inline:
+            self._on_frame(frame, False)
+            return True
+        previous, thread_state.hand_off = thread_state.hand_off, self._hand_off
+        try:
+            self._on_frame(frame, True)
+        finally:
+            thread_state.hand_off = previous
+            with self._changed:
+                self._running = 0
+                kept = self._role == me
+                if kept:
+                    self._lent_at = 0.0
+        return kept
+
+    def _hand_off(self) -> None:
+        """The request run inline on this thread waits for an RPC: the partner reads meanwhile."""
+        with self._changed:
+            if self._role == threading.get_ident() and self._lent_at:
+                self._role, self._lent_at = None, 0.0
+                self._changed.notify()
+
+    def _take_role(self, me: int) -> None:
+        with self._changed:
+            while self._role is not None:
+                lent_at = self._lent_at
+                if not lent_at:
+                    self._changed.wait(STANDBY_WAIT)
+                    continue
+                left = lent_at + HANDOFF_AFTER - time.monotonic()
+                if left <= 0:
+                    break  # the request it was lent to runs long: read on without it
+                self._changed.wait(left)
+            self._role, self._lent_at = me, 0.0
+
+    def _give_up_role(self) -> None:
+        with self._changed:
+            self._role, self._lent_at = None, 0.0
+            self._changed.notify_all()
+
+    def _end(self, error: BaseException | None) -> None:
+        self.stream.move(END, error)
+        self._reader.close()
+        if self._outbox is not None:
+            self._outbox.end(error)
+        self._give_up_role()
