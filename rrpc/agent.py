@@ -103,6 +103,10 @@ log = logging.getLogger("rrpc")
 # 3.1 s in all.
 RESENDS = 5
 RESEND_DELAY = 0.1
+# Seconds the run's threads get to end when ``stop`` has no time left (a
+# shutdown past its deadline): an idle thread ends in microseconds, and one
+# still running a request is left to end by itself.
+STOP_GRACE = 0.25
 # The liveness probe (``all_unreachable``) calls ``int()`` on peers, restricted or not.
 restricted.allow_call(int)
 
@@ -156,7 +160,9 @@ class Agent:
         # Dynamic membership: how many times this rank joined before (rrpc/membership.py).
         self.incarnation = 0
         self.calls = CallTable()  # the calls this worker sent and awaits
-        self.suspects: set[int] = set()  # ranks whose stream broke: maybe dead
+        # Ranks maybe dead: their carrier broke, or a barrier probes them
+        # (``all_unreachable``); cleared by their next reply. No new lane opens to them.
+        self.suspects: set[int] = set()
         self._ids = itertools.count(1)
         self._stopped = False
         # Set once init_rpc has learned every peer: requests wait for it.
@@ -264,7 +270,11 @@ class Agent:
         return self.peers.all()
 
     def all_unreachable(self, ranks: list[int], timeout: float = 2.0) -> bool:
-        """True if none of ``ranks`` answers a no-op call: they are gone."""
+        """True if none of ``ranks`` answers a no-op call: they are gone.
+        Takes ``timeout`` seconds at most: the probed ranks are suspects from
+        now on (until they answer), so no probe waits in a lane's handshake
+        with a frozen peer (``routes``' rules)."""
+        self.suspects.update(ranks)
         probes = []
         for rank in ranks:
             found = self.peers.get(rank)
@@ -499,11 +509,17 @@ class Agent:
                     return False
         return True
 
-    def stop(self, graceful: bool, timeout: float = 5.0) -> None:
-        """Close every stream and the server; fail what is still pending.
-        Graceful closes share ``timeout`` seconds: a stream whose peer does not
-        finish in time (frozen, partitioned) is cancelled instead."""
-        deadline = time.monotonic() + timeout
+    def stop(self, graceful: bool, timeout: float = 5.0, until: float | None = None) -> None:
+        """Close every stream and the server; fail what is still pending; end
+        the run's threads. Graceful closes share ``timeout`` seconds: a stream
+        whose peer does not finish in time (frozen, partitioned) is cancelled
+        instead. It returns by ``until`` (``time.monotonic()``; by default
+        ``timeout`` or ``STOP_GRACE`` from now, the later): a thread still
+        busy then is left to end by itself (every thread of a run is a daemon)."""
+        now = time.monotonic()
+        deadline = now + (timeout if graceful else 0.0)
+        if until is None:
+            until = max(deadline, now + STOP_GRACE)
         self.ready.set()  # release requests that waited for an init that failed
         self._stopped = True
         for call in self.calls.close_all():
@@ -512,11 +528,11 @@ class Agent:
         self.routes.stop(graceful, deadline)
         if self.lane_listener is not None:
             self.lane_listener.stop()
-        self.server.stop(min(1.0, max(0.0, deadline - time.monotonic())) if graceful else 0)
+        self.server.stop(min(1.0, max(0.0, deadline - time.monotonic())))
         if self.shm_pool is not None:
             self.shm_pool.close()
-        self.scheduler.stop()
-        self.pool.stop(max(0.5, deadline - time.monotonic()) if graceful else 0.5)
+        self.scheduler.stop(max(0.0, until - time.monotonic()))
+        self.pool.stop(max(0.0, until - time.monotonic()))
 
 
 # The process's one pointer to its run (as torch's ``_agent``): the agent of

@@ -141,9 +141,9 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
     cannot reach the rendezvous store logs it and raises ``RpcError`` (having
     stopped). Every step shares one deadline: ``shutdown(timeout=T)`` returns
     or raises within T plus at most 1 s, beside a frozen peer or store too
-    (past T only the barrier's last look at who is missing, up to 0.5 s, and
-    the agent's threads finishing, up to 0.5 s; with a store that answers and
-    nothing left running, milliseconds).
+    (past T only the barrier's last look at who is missing, up to 0.5 s, the
+    run's threads finishing, up to 0.25 s, and leaving the store, up to
+    0.25 s; with a store that answers and nothing left running, milliseconds).
     """
     with _lock:
         agent = agent_module._current
@@ -176,8 +176,13 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
             if group is not None and not left:
                 with contextlib.suppress(RpcError):
                     group.leave(deadline, graceful=False)
-            agent.stop(graceful, min(5.0, _remaining(deadline)))
-            worker.stop_services(agent)
+            # Stopping shares the deadline: streams close gracefully until it (5 s
+            # at most), and the run's threads (the agent's, then the services')
+            # end by then too, or by STOP_GRACE from now if that is later.
+            closing = min(5.0, _remaining(deadline)) if graceful else 0.0
+            until = time.monotonic() + max(closing, agent_module.STOP_GRACE)
+            agent.stop(graceful, closing, until)
+            worker.stop_services(agent, until)
             agent_module.set_current_agent(None)
             agent.rendezvous = None
             if rendezvous is not None:

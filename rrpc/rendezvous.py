@@ -52,7 +52,7 @@ REQUEST_LIMIT = 10.0
 # at who is missing (a store that answers does so in milliseconds).
 DEADLINE_LOOK = 0.5
 PROBE_LIMIT = 2.0  # seconds a barrier's probe of the missing ranks (``gone``) may take
-LEAVE_GRACE = 0.5  # seconds leaving the store may take when no time is left
+LEAVE_GRACE = 0.25  # seconds leaving the store may take past its timeout (a round trip or two)
 
 
 class StoreUnreachableError(RpcError, ConnectionError):
@@ -316,13 +316,14 @@ class Rendezvous:
         It polls an arrival counter (one cheap store request per poll) rather
         than blocking in ``store.wait``: it must notice dead ranks while it
         waits, and c10d logs a warning for every ``wait`` that expires. Ranks
-        suspected dead (``suspects``, whose streams broke) are probed at once,
-        others every few seconds.
+        suspected dead (``suspects``: whose streams broke, or that have not
+        answered a probe yet) are probed at once and then often, others every
+        few seconds.
 
         It ends by its deadline (``timeout`` from now or ``deadline``, the
-        earlier): probes fit in what is left, and a store request (the last
-        look at who is missing, at the deadline) runs ``DEADLINE_LOOK`` past
-        it at most.
+        earlier): probes fit in what is left, and the store requests (the last
+        look at who is missing, at the deadline) run ``DEADLINE_LOOK`` past it
+        at most, all of them together.
 
         If the store itself is gone (its host, rank 0's process, died) or does
         not answer (frozen, partitioned), the barrier passes when ``gone``
@@ -366,8 +367,8 @@ class Rendezvous:
         store = self.store
         start = time.monotonic()
 
-        def limit() -> float:  # no store request runs past the deadline by more than a look
-            return min(REQUEST_LIMIT, max(DEADLINE_LOOK, deadline - time.monotonic()))
+        def limit() -> float:  # the barrier's store requests all end by deadline + a look
+            return max(0.0, min(REQUEST_LIMIT, deadline + DEADLINE_LOOK - time.monotonic()))
 
         def arrive() -> int:
             store.set(f"{self.prefix}{tag}/{self.rank}", "1")
@@ -413,12 +414,13 @@ class Rendezvous:
                     return
                 next_probe = time.monotonic() + (0.5 if suspects else 5.0)
             poll.wait(min(0.05 if now - start < 1.0 else 0.2, max(0.0, deadline - now)))
-            arrived = self.request(f"barrier {tag!r}", lambda: store.add(counter, 0), limit())
+            if time.monotonic() < deadline:  # past it, the last look says who is missing
+                arrived = self.request(f"barrier {tag!r}", lambda: store.add(counter, 0), limit())
 
     def close(self, timeout: float = 10.0) -> None:
         """Leave; the host keeps the store until every rank has left it. Takes
-        at most ``timeout`` seconds, or ``LEAVE_GRACE`` if that is more (a
-        client whose store does not answer gives up then; that is logged)."""
+        at most ``timeout`` seconds plus ``LEAVE_GRACE`` (a store that does
+        not answer is given up then; that is logged)."""
         store = self.store
         del self.store
         if self.world_size is None:
@@ -435,8 +437,7 @@ class Rendezvous:
                 except Exception:
                     pass  # a peer that died cannot leave; the store goes anyway
 
-        limit = timeout + LEAVE_GRACE if self.hosting else min(REQUEST_LIMIT, timeout)
-        limit = max(LEAVE_GRACE, limit)
+        limit = timeout + LEAVE_GRACE if self.hosting else min(REQUEST_LIMIT, timeout + LEAVE_GRACE)
         try:
             self.request("leaving", leave, limit)
         except StoreUnreachableError:

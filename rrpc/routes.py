@@ -9,6 +9,14 @@ open sends its calls over gRPC for a while). The agent fails the calls that
 were on it. ``stop`` ends them all.
 
 Rules:
+- A call is never held past its timeout by opening a carrier. A gRPC stream
+  connects in the background (its calls wait in its outbox, under their
+  deadlines); a lane opens in the caller's thread, in a handshake with a time
+  limit of its own (``lane.connect``), which a frozen peer's socket spends in
+  full (its listen backlog accepts the connection, nobody answers). So a
+  suspect (``Agent.suspects``: its carrier broke, or a barrier probes it)
+  gets no new lane: its calls go over gRPC until it answers one, which clears
+  the suspicion. A lane already open is used as it is (its writes never block).
 - Every gRPC channel opened is closed explicitly, broken ones too: a channel
   left to the garbage collector can hang the interpreter's exit in gRPC's
   finalizer.
@@ -100,8 +108,8 @@ class Routes:
         if lanes is None:
             return None
         found = lanes.open.get(peer.id)
-        if found is not None:
-            return found
+        if found is not None or peer.id in self._agent.suspects:
+            return found  # a suspect may be frozen: opening would block (see the rules)
         entry = self._agent.peers.known(peer.id)
         return lanes.to(peer, entry.lane_path) if entry is not None and entry.lane_path else None
 

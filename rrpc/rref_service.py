@@ -438,11 +438,13 @@ class RRefService:
             f"{timeout:g} s: {pending or 'queued events'}"
         )
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 5.0) -> None:
+        """End the sender thread (waiting ``timeout`` seconds at most for it to
+        finish what it sends) and forget every RRef."""
         self.running = False
         self.events.put(None)
         if self._sender is not threading.current_thread():
-            self._sender.join(5.0)
+            self._sender.join(timeout)
         with self.lock:
             released = list(self.owners.entries.values())
             self.owners.entries.clear()

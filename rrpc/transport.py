@@ -215,12 +215,14 @@ class Connection:
         self._on_close(self, self.stream.error)  # may run before __init__ returned: pass self
 
     def close(self, timeout: float = 5.0) -> None:
-        """End the request side, let the peer finish the response side, close."""
+        """End the request side, let the peer finish the response side (for
+        ``timeout`` seconds at most), close. A stream the peer did not finish
+        in time (frozen, partitioned) is cancelled: its reader ends on its own
+        as gRPC delivers the cancellation, not waited for here."""
         self._outbox.end()
         self._thread.join(timeout)
         if self._thread.is_alive():
             self._call.cancel()
-            self._thread.join(timeout)
         self._channel.close()
 
     def release(self) -> None:

@@ -39,6 +39,7 @@ drained and before they stop.
 from __future__ import annotations
 
 import functools
+import time
 from typing import Any
 
 from rrpc import functions, metrics, rref, torch_profiler
@@ -102,14 +103,18 @@ def drain_services(agent: Agent, timeout: float) -> None:
     agent.rrefs.drain(timeout)
 
 
-def stop_services(agent: Agent) -> None:
+def stop_services(agent: Agent, until: float | None = None) -> None:
     """Stop what ``start_services`` started, in the reverse order, once the
-    agent has stopped; the services are forgotten. Safe after a partial start."""
+    agent has stopped; the services are forgotten. Safe after a partial start.
+    Their threads get until ``until`` (``time.monotonic()``; by default 5 s
+    from now) to end; one still busy then ends by itself (they are daemons)."""
+    if until is None:
+        until = time.monotonic() + 5.0
     exporter, agent.exporter = agent.exporter, None
     if exporter is not None:
         exporter.stop()
     if agent.rrefs is not None:
-        agent.rrefs.stop()
+        agent.rrefs.stop(max(0.0, until - time.monotonic()))
         agent.rrefs = None
     if agent.autograd is not None:
         agent.autograd.stop()

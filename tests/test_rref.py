@@ -654,9 +654,9 @@ def _drop_then_shut_down(rank, world_size):
         service = agent_hooks.current_agent().rrefs
         stop = service.stop
 
-        def read_then_stop():
+        def read_then_stop(*args):
             at_stop.update(info=rrpc.rref_debug_info(), counts=_counts())
-            stop()
+            stop(*args)
 
         service.stop = read_then_stop
         rrpc.shutdown()
