@@ -13,6 +13,9 @@ Suites (``--suite``): ``rpc`` (RpcTest, TensorPipeAgentRpcTest),
 ``examples`` (parameter server, reinforcement learning) and ``ddp``
 (DdpUnderDistAutogradTest, DdpComparisonTest); each suite's CUDA classes are
 listed as not applicable. The TorchScript suites (``rpc/jit/``) are not run.
+Each suite also runs our own ``*Parts`` classes (``parts.py``): the
+user-facing parts of its tests that are otherwise not applicable, written as
+torch's tests are and run on both frameworks alike.
 
 How a test runs
 - torch mixes an agent fixture into each generic suite
@@ -46,10 +49,16 @@ How a test runs
 
 Classification: pass / fail / timeout / skipped (the test skipped itself) /
 error (the runner could not run it) / n/a. Not applicable is explicit data,
-``not_applicable.NOT_APPLICABLE`` (test -> reason), limited to TorchScript,
-CUDA and torch-internal objects; n/a tests are not run (``--include-na`` runs
-them on torch). A test that does not pass on torch here is *environment-broken*:
-reported, and its rrpc result not counted.
+``not_applicable.NOT_APPLICABLE`` (test -> reason), limited to tests that are
+all TorchScript, CUDA or torch-internal objects; n/a tests are not run
+(``--include-na`` runs them on torch). A test that does not pass on torch here
+is *environment-broken*: reported, and its rrpc result not counted. A test rrpc
+fails on purpose is a *known difference* (``known_differences.py``).
+
+Exit status: 1 when rrpc failed a test (fail, timeout, error) that is neither
+a known difference nor environment-broken (with ``--framework torch`` alone:
+when torch failed one), else 0. At the end the runner prints the README's
+table: per suite and framework, then all suites.
 
 Options: ``--suite S`` (repeatable), ``-k PATTERN`` (substring or glob of
 ``Class.test``, repeatable), ``--framework rrpc|torch|both``, ``--subset`` (the

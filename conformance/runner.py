@@ -3,6 +3,12 @@
 ``python -m conformance [--suite S ...] [-k PATTERN ...] [--framework rrpc|torch|both]``
 Tests run one at a time; with both frameworks each test runs on torch, then on
 rrpc, before the next one starts.
+
+At the end it prints the table the README shows (per suite, then all suites)
+and exits 1 when a test failed that it may not: on rrpc, a failure (fail,
+timeout, error) that is neither a known difference (``known_differences.py``)
+nor environment-broken (torch failed it too, here); with ``--framework torch``
+alone, any failure on torch. Otherwise it exits 0.
 """
 
 from __future__ import annotations
@@ -200,16 +206,59 @@ def totals(entries: list[dict[str, Any]], frameworks: Iterable[str]) -> dict[str
     return result
 
 
+# The README's columns: (key in totals(), heading).
+COLUMNS = (
+    ("pass", "pass"),
+    ("fail", "fail"),
+    ("timeout", "timeout"),
+    ("error", "error"),
+    ("known_diff", "known difference"),
+    ("skipped", "skipped"),
+    ("na", "not applicable"),
+    ("env_broken", "environment-broken"),
+)
+FRAMEWORK_LABELS = {"torch": "torch (control)", "rrpc": "rrpc"}
+
+
 def format_totals(summary: dict[str, Any], frameworks: Iterable[str]) -> str:
-    columns = ("pass", "fail", "timeout", "error", "skipped", "na", "env_broken", "known_diff")
-    lines = [f"{'suite':<16}{'framework':<10}" + "".join(f"{c:>11}" for c in columns)]
+    """The totals as the README's Markdown table: a row per suite and framework,
+    all suites last. An empty cell is a zero."""
+    frameworks = tuple(frameworks)
+    lines = [
+        "| suite | framework | " + " | ".join(heading for _, heading in COLUMNS) + " |",
+        "|---|---|" + "---|" * len(COLUMNS),
+    ]
     for suite, by_framework in summary.items():
+        label = "all suites" if suite == "ALL" else suite
         for framework in frameworks:
             counts = by_framework.get(framework, {})
-            lines.append(
-                f"{suite:<16}{framework:<10}" + "".join(f"{counts.get(c, 0):>11}" for c in columns)
-            )
+            cells = [str(counts[key]) if counts.get(key) else "" for key, _ in COLUMNS]
+            row = [label, FRAMEWORK_LABELS.get(framework, framework), *cells]
+            lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
+
+
+def unexpected_failures(entries: list[dict[str, Any]], frameworks: Iterable[str]) -> list[str]:
+    """The tests that make the run fail: on rrpc, each failure that is neither
+    a known difference nor environment-broken; on torch run alone, each failure."""
+    frameworks = tuple(frameworks)
+    failed = ("fail", "timeout", "error")
+    found = []
+    for entry in entries:
+        if entry.get("na"):
+            continue
+        if "rrpc" in frameworks:
+            result = entry.get("rrpc")
+            if (
+                result
+                and result["outcome"] in failed
+                and not entry.get("known_difference")
+                and not entry.get("env_broken")
+            ):
+                found.append(f"{entry['test']} (rrpc: {result['outcome']}: {result['short']})")
+        elif entry.get("torch", {}).get("outcome") in failed:
+            found.append(f"{entry['test']} (torch: {entry['torch']['outcome']})")
+    return found
 
 
 def _cell(entry: dict[str, Any], framework: str) -> str:
@@ -299,6 +348,8 @@ def _print_entry(number: int, total: int, entry: dict[str, Any], frameworks: Ite
         note = "ENV-BROKEN " + note
     elif entry.get("known_difference"):
         note = "KNOWN DIFFERENCE: " + entry["known_difference"][:100]
+    elif entry["test"] in KNOWN_DIFFERENCES and entry.get("rrpc", {}).get("outcome") == "pass":
+        note = "a known difference that passes: take it out of known_differences.py"
     print(f"[{number}/{total}] {entry['test']:<70} {cells} {durations:<12} {note}", flush=True)
 
 
@@ -367,4 +418,10 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(format_totals(document["totals"], frameworks))
     print(f"\nresults: {args.out}  ({document['meta']['elapsed_s']:.0f} s)")
+    failures = unexpected_failures(document["results"], frameworks)
+    if failures:
+        print(f"\n{len(failures)} test(s) failed that are no known difference:")
+        for failure in failures:
+            print(f"  {failure}")
+        return 1
     return 0

@@ -24,6 +24,9 @@ Mapped names, torch -> rrpc (everything else in these namespaces is Missing):
   ``_set_rpc_timeout``; ``api._wait_all`` and ``api._thread_local_var``;
   ``api._delete_all_user_and_unforked_owner_rrefs`` ->
   ``rrpc.rref.delete_all_user_rrefs`` (``shutdown`` does not go through it);
+  ``_get_current_rpc_agent()`` (also in ``api``) -> a view of rrpc's agent with
+  ``get_worker_infos()`` and ``get_worker_info()`` only (the rest of torch's
+  C++ agent is Missing);
   ``_rref_context_get_debug_info`` -> ``rrpc.rref_debug_info()`` with torch's
   key names (``num_owner_rrefs``, ``num_forks`` <- ``num_owner_forks``,
   ``num_pending_users`` <- ``num_pending_confirmations + num_pending_forks``;
@@ -140,6 +143,32 @@ class ShimModule(types.ModuleType):
         return Missing(f"{self.__name__}.{attr}", self.__dict__.get("_shim_why", ""))
 
 
+class _AgentView:
+    """torch's ``_get_current_rpc_agent()`` as far as it has a user-facing
+    meaning: the worker directory. Everything else of torch's C++ agent (debug
+    counters, GIL profiling, its type) is Missing."""
+
+    def get_worker_infos(self) -> list:
+        import rrpc
+
+        return rrpc.agent.current_agent().get_worker_infos()
+
+    def get_worker_info(self, worker_name: str | None = None) -> Any:
+        import rrpc
+
+        return rrpc.get_worker_info(worker_name)
+
+    def __getattr__(self, attr: str) -> Any:
+        return Missing(f"torch.distributed.rpc.api._get_current_rpc_agent().{attr}")
+
+
+def _get_current_rpc_agent() -> _AgentView:
+    import rrpc
+
+    rrpc.agent.current_agent()  # raises as torch's does before init_rpc
+    return _AgentView()
+
+
 def _rref_context_get_debug_info() -> dict[str, str]:
     import rrpc
 
@@ -254,6 +283,7 @@ def install() -> None:
             "_wait_all": rrpc.api._wait_all,
             "_thread_local_var": rrpc.api._thread_local_var,
             "_delete_all_user_and_unforked_owner_rrefs": rrpc.rref.delete_all_user_rrefs,
+            "_get_current_rpc_agent": _get_current_rpc_agent,
         },
     )
     backend_registry = ShimModule(
@@ -295,6 +325,7 @@ def install() -> None:
             **submodules,
             **profile,
             "_rref_context_get_debug_info": _rref_context_get_debug_info,
+            "_get_current_rpc_agent": _get_current_rpc_agent,
         },
     )
     autograd = ShimModule(

@@ -1,10 +1,15 @@
-"""The suites: torch's test classes, by suite name, as shipped in the installed torch."""
+"""The suites: torch's test classes, by suite name, as shipped in the installed torch.
+
+Each suite also runs the user-facing parts of its tests that are otherwise not
+applicable (``conformance/parts.py``, classes named ``*Parts``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 _BASE = "torch.testing._internal.distributed"
+# Our own tests: the user-facing parts of torch's tests listed as not applicable.
+_PARTS = "conformance.parts"
 
 
 @dataclass(frozen=True)
@@ -26,6 +31,7 @@ SUITES: dict[str, Suite] = {
                 (f"{_BASE}.rpc.rpc_test", "TensorPipeAgentRpcTest"),
                 (f"{_BASE}.rpc.rpc_test", "CudaRpcTest"),
                 (f"{_BASE}.rpc.rpc_test", "TensorPipeAgentCudaRpcTest"),
+                (_PARTS, "RpcParts"),
             ),
         ),
         Suite(
@@ -35,6 +41,7 @@ SUITES: dict[str, Suite] = {
                 (f"{_BASE}.rpc.dist_autograd_test", "TensorPipeAgentDistAutogradTest"),
                 (f"{_BASE}.rpc.dist_autograd_test", "CudaDistAutogradTest"),
                 (f"{_BASE}.rpc.dist_autograd_test", "TensorPipeCudaDistAutogradTest"),
+                (_PARTS, "DistAutogradParts"),
             ),
         ),
         Suite("dist_optimizer", ((f"{_BASE}.rpc.dist_optimizer_test", "DistOptimizerTest"),)),
@@ -43,6 +50,8 @@ SUITES: dict[str, Suite] = {
             (
                 (f"{_BASE}.rpc.faulty_agent_rpc_test", "FaultyAgentRpcTest"),
                 (f"{_BASE}.rpc.dist_autograd_test", "FaultyAgentDistAutogradTest"),
+                (_PARTS, "FaultyAgentRpcParts"),
+                (_PARTS, "FaultyAgentDistAutogradParts"),
             ),
             faulty=True,
         ),
@@ -52,6 +61,7 @@ SUITES: dict[str, Suite] = {
                 (f"{_BASE}.nn.api.remote_module_test", "RemoteModuleTest"),
                 (f"{_BASE}.nn.api.remote_module_test", "ThreeWorkersRemoteModuleTest"),
                 (f"{_BASE}.nn.api.remote_module_test", "CudaRemoteModuleTest"),
+                (_PARTS, "RemoteModuleParts"),
             ),
         ),
         Suite(

@@ -110,7 +110,42 @@ def _build_classes(framework: str) -> dict[str, tuple[type, str]]:
             cls.__module__ = GENERATED_MODULE
             setattr(generated, class_name, cls)
             classes[class_name] = (cls, suite.name)
+    if framework == "torch":
+        _keep_backend_types()  # now that the faulty fixture is imported
     return classes
+
+
+# torch's BackendType before and after the faulty suite's import registered
+# FAULTY_TENSORPIPE (see _backend_types_for).
+_backend_types: tuple[Any, Any] | None = None
+
+
+def _keep_backend_types() -> None:
+    global _backend_types
+    import torch.distributed.rpc as rpc
+
+    _backend_types = (rpc.BackendType, rpc.backend_registry.BackendType)
+
+
+def _backend_types_for(suite: str) -> None:
+    """Give torch's test the BackendType of a process of torch's own runs.
+
+    torch runs each suite file in a process of its own; here every suite
+    shares one. The faulty suite's import registers FAULTY_TENSORPIPE, which
+    rebuilds ``backend_registry.BackendType`` (what ``init_rpc`` checks a
+    backend against) but not ``torch.distributed.rpc.BackendType`` (what it
+    infers one from): ``init_rpc`` without a backend then fails. So a faulty
+    test sees both names at the enum with FAULTY_TENSORPIPE, as in torch's
+    faulty test file, and every other test both at the one without it."""
+    if _backend_types is None:
+        return
+    import torch.distributed.rpc as rpc
+
+    from conformance.suites import SUITES
+
+    enum = _backend_types[1] if SUITES[suite].faulty else _backend_types[0]
+    rpc.BackendType = enum  # type: ignore[attr-defined]
+    rpc.backend_registry.BackendType = enum
 
 
 def _test_names(cls: type) -> list[str]:
@@ -214,7 +249,8 @@ def run_test(
     import multiprocessing
 
     class_name, test_name = test_id.split(".", 1)
-    cls, _suite = classes[class_name]
+    cls, suite = classes[class_name]
+    _backend_types_for(suite)  # set here, inherited by the world's ranks
     world_size = int(cls(test_name).world_size)
     os.makedirs(log_dir, exist_ok=True)
     os.environ["MASTER_PORT"] = str(_free_port())

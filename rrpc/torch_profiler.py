@@ -227,6 +227,13 @@ class _server_process_global_profile(profiler_legacy.profile):
         self._server_profiles.enter(self)
         return self
 
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy sent to a caller (``__enter__`` returns the profile) carries
+        # what it gathered, not the run's table of entered profiles.
+        state = dict(self.__dict__)
+        state.pop("_server_profiles", None)
+        return state
+
     def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> Literal[False]:
         if not self.enabled:
             return False

@@ -482,7 +482,10 @@ def run_command(
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         kill_tree(process)
-        output, _ = process.communicate()
+        try:
+            output, _ = process.communicate(timeout=10)
+        except subprocess.TimeoutExpired:  # a process out of our reach holds the pipe
+            output = "(its output was not read: a process it started still holds the pipe)"
         ran = " ".join(command)
         raise AssertionError(f"{ran} ran over {timeout} s:\n{output[-3000:]}") from None
     finally:

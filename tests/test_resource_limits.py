@@ -158,9 +158,7 @@ class _RawStream:
 
     def _prove(self, callee_nonce):
         binding = auth.Binding(0, 1, self._address, self._nonce, callee_nonce)
-        self._outgoing.put(
-            auth.handshake_frame(b"", auth.Token(TOKEN).proof(auth.CALLER, binding))
-        )
+        self._outgoing.put(auth.handshake_frame(b"", auth.Token(TOKEN).proof(auth.CALLER, binding)))
         self._authenticated.set()
 
     def send(self, packet):

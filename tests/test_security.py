@@ -27,7 +27,7 @@ import torch
 import rrpc
 from harness import mp_context, run_workers
 from harness import outcome as _outcome
-from rrpc import auth, codec
+from rrpc import auth, codec, wire
 from rrpc._proto.rrpc_pb2 import Envelope, SharedBuffer
 from rrpc.messages import CALL, HANDSHAKE
 
@@ -102,12 +102,12 @@ def _raw_exchange(
         caller_rank = int(dict(metadata).get("rrpc-rank", "-1"))
         binding = auth.Binding(caller_rank, callee_rank, address, nonce, handshake.nonce)
         proof = auth.Token(token).proof(auth.CALLER, binding)
-        outgoing.put(codec.handshake_frame(b"", proof))
+        outgoing.put(auth.handshake_frame(b"", proof))
         for packet in packets:
             outgoing.put(packet)
 
     frames, error = [], None
-    reader = codec.FrameReader()
+    reader = wire.FrameReader()
     with grpc.insecure_channel(address) as channel:
         call = channel.stream_stream(METHOD)(requests(), metadata=metadata, timeout=timeout)
         try:
@@ -511,14 +511,27 @@ def test_a_shared_memory_descriptor_outside_the_peers_pool_is_refused_and_maps_n
 # -- A caller that half-closes its side ------------------------------------------
 
 
-def _slow_echo(value):
-    threading.Event().wait(0.3)  # still running when the caller half-closes
+def _stream_readers(caller_rank):
+    """The threads reading requests from ``caller_rank``'s streams: two per
+    stream while it is read, one fewer once it read the caller's half-close."""
+    prefix = f"rrpc-serve-{caller_rank}-"
+    return sum(thread.name.startswith(prefix) for thread in threading.enumerate())
+
+
+def _echo_once_half_closed(value, readers_while_open):
+    # Still running when this worker reads the caller's half-close: wait for it
+    # (a reader of the stream ends), whatever the machine's load.
+    deadline = time.monotonic() + 30
+    while _stream_readers(0) >= readers_while_open:
+        if time.monotonic() > deadline:
+            raise AssertionError("the callee never read the caller's half-close")
+        time.sleep(0.01)  # polling a condition with a deadline
     return value
 
 
 def _half_closed_exchange(address, packets, timeout=10.0):
     """Send `packets`, close the request side at once, and read every reply."""
-    reader, frames = codec.FrameReader(), []
+    reader, frames = wire.FrameReader(), []
     with grpc.insecure_channel(address) as channel:
         call = channel.stream_stream(METHOD)(
             iter(packets), metadata=[("rrpc-rank", "0")], timeout=timeout
@@ -533,8 +546,12 @@ def _half_close_while_requests_run(rank, world_size):
     replies = None
     if rank == 0:
         address = rrpc.rpc_sync("worker1", _my_address)
-        calls = [_encoded_call(_slow_echo, (i,), request_id=i + 1) for i in range(3)]
-        frames = _half_closed_exchange(address, [b"".join(calls)])
+        open_readers = rrpc.rpc_sync("worker1", _stream_readers, args=(0,)) + 2  # and the new one
+        calls = [
+            _encoded_call(_echo_once_half_closed, (i, open_readers), request_id=i + 1)
+            for i in range(3)
+        ]
+        frames = _half_closed_exchange(address, [b"".join(calls)], timeout=60)
         replies = sorted(codec.loads(frame) for frame in frames)
     rrpc.shutdown()
     return replies
