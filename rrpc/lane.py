@@ -267,6 +267,7 @@ class Lanes:
     meanwhile the calls go over gRPC (the fallback)."""
 
     RETRY_AFTER = 5.0
+    CONNECT_TIMEOUT = 2.0  # seconds for the whole opening exchange
 
     def __init__(
         self,
@@ -279,33 +280,45 @@ class Lanes:
         self._new_lane = new_lane
         self.open: dict[int, Lane] = {}
         self._retry_at: dict[int, float] = {}
+        self._opening: set[int] = set()  # peers whose lane a thread is opening
         self._lock = threading.Lock()
         self._stopped = False
 
     def to(self, peer: Any, path: str) -> Lane | None:
         """The lane to ``peer`` (a WorkerInfo) at ``path``, opened if need be;
-        None if it has none or it cannot open now."""
+        None if it has none or it cannot open now (the call goes over gRPC).
+
+        One thread opens a peer's lane, without the lock: calls to that peer
+        made meanwhile, and to every other peer, do not wait for it."""
         with self._lock:
             found = self.open.get(peer.id)
             if found is not None or self._stopped:
                 return found
-            if time.monotonic() < self._retry_at.get(peer.id, 0.0):
+            if peer.id in self._opening or time.monotonic() < self._retry_at.get(peer.id, 0.0):
                 return None
-            try:
-                sock = connect(path, (self._rank, peer.id), self._token, timeout=2.0)
-            except (OSError, AuthenticationError, struct.error) as exc:
+            self._opening.add(peer.id)
+        try:
+            sock = connect(path, (self._rank, peer.id), self._token, timeout=self.CONNECT_TIMEOUT)
+        except (OSError, AuthenticationError, struct.error) as exc:
+            with self._lock:
+                self._opening.discard(peer.id)
                 self._retry_at[peer.id] = time.monotonic() + self.RETRY_AFTER
-                logs.event(
-                    "lane-unavailable",
-                    peer.name,
-                    "lane to %s at %s could not open (%s): calls go over gRPC",
-                    peer.name,
-                    path,
-                    exc,
-                )
+            logs.event(
+                "lane-unavailable",
+                peer.name,
+                "lane to %s at %s could not open (%s): calls go over gRPC",
+                peer.name,
+                path,
+                exc,
+            )
+            return None
+        with self._lock:
+            self._opening.discard(peer.id)
+            if self._stopped:
+                sock.close()
                 return None
             opened = self.open[peer.id] = self._new_lane(sock, peer)
-            return opened
+        return opened
 
     def forget(self, peer_rank: int, closed: Lane) -> None:
         """``closed`` ended: the next call to its peer opens a new lane."""
@@ -337,12 +350,17 @@ def connect(
     (non-blocking). Raises AuthenticationError or OSError."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
+        deadline = time.monotonic() + timeout  # one limit for the whole exchange
+
+        def left_ms() -> int:
+            return max(1, int((deadline - time.monotonic()) * 1000))
+
         sock.settimeout(timeout)
         sock.connect(path)
         caller_nonce = auth.new_nonce()
         sock.sendall(HELLO.pack(MAGIC, ranks[0], caller_nonce))
         sock.setblocking(False)
-        answer = recv_exactly(sock, ANSWER.size, int(timeout * 1000))
+        answer = recv_exactly(sock, ANSWER.size, left_ms())
         callee_rank, callee_nonce, callee_proof = ANSWER.unpack(answer)
         if callee_rank != ranks[1]:
             raise AuthenticationError(
@@ -356,10 +374,10 @@ def connect(
                     f"rank {ranks[1]}'s lane at {path} did not prove the cluster token"
                 )
             proof = token.proof(auth.CALLER, binding)
-        sock.setblocking(True)
+        sock.settimeout(left_ms() / 1000)
         sock.sendall(proof)
         sock.setblocking(False)
-        if recv_exactly(sock, 1, int(timeout * 1000)) != ACCEPTED:
+        if recv_exactly(sock, 1, left_ms()) != ACCEPTED:
             raise AuthenticationError(f"rank {ranks[1]}'s lane at {path} refused this worker")
         return sock
     except BaseException:

@@ -15,6 +15,7 @@ import select
 import socket
 import struct
 import threading
+import time
 from typing import Any
 
 from rrpc import auth, wire
@@ -105,29 +106,26 @@ class Reader:
         return None
 
 
-def recv_exactly(sock: socket.socket, size: int, deadline_ms: int) -> bytes:
+def recv_exactly(sock: socket.socket, size: int, timeout_ms: int) -> bytes:
+    """Exactly ``size`` bytes of the opening exchange, within ``timeout_ms`` in
+    all (however the peer cuts them); raises AuthenticationError past it."""
+    deadline = time.monotonic() + timeout_ms / 1000
     data = b""
     while len(data) < size:
-        chunk = _recv_limited(sock, size - len(data), deadline_ms)
-        if chunk is None:
-            raise AuthenticationError("lane handshake timed out")
-        data += chunk
-    return data
-
-
-def _recv_limited(sock: socket.socket, size: int, timeout_ms: int) -> bytes | None:
-    for _ in range(2):
         try:
-            data = sock.recv(size)
+            chunk = sock.recv(size - len(data))
         except BlockingIOError:
-            wait(sock, select.POLLIN, timeout_ms)
+            left_ms = (deadline - time.monotonic()) * 1000
+            if left_ms <= 0:
+                raise AuthenticationError("lane handshake timed out") from None
+            wait(sock, select.POLLIN, int(left_ms) + 1)
             continue
         except OSError as exc:
             raise LaneBroken(f"lane read failed: {exc}") from exc
-        if not data:
+        if not chunk:
             raise LaneBroken("lane closed by its peer")
-        return data
-    return None
+        data += chunk
+    return data
 
 
 class Writer:

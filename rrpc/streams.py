@@ -68,7 +68,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from rrpc import wire
-from rrpc.messages import mark_transport_thread
 
 # Requests of one calling peer that this worker may hold read and not yet
 # decoded (queued for the worker pool). Another peer's request waits behind

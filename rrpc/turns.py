@@ -1,4 +1,4 @@
-"""Serving one incoming stream: two threads take turns reading it, and a lone request runs on its reader.
+"""Serving one incoming stream: two threads take turns reading it; requests run on their reader.
 
 Nothing here knows gRPC or sockets: a carrier (``transport.py``'s gRPC
 server, ``lane_listener.py``'s lane) hands in the packets it receives as an
@@ -13,11 +13,12 @@ request may run long, or block on something that only a later request of
 the same caller can give (an RPC back to the caller that must be read
 here): then reading must go on without it. So:
 
-- One thread at a time holds the **read role** (``_reader``) and reads a
-  packet. All but the last frame of a packet go to the pool; the last, a
-  lone request, the reader runs itself (``on_frame(frame, inline=True)``)
-  while keeping the role: it **lends** it (``_lent_at``), and when the
-  request is done it reads on. No thread is woken.
+- One thread at a time holds the **read role** (``_role``): it reads a
+  packet and hands on its requests in order. It runs each itself
+  (``on_frame(frame, inline=True)``) while keeping the role: it **lends**
+  it to the request (``_lent_at``), and when the request is done it hands
+  on the next one. A sequential caller's requests, and a batch of small
+  ones, run without a thread being woken.
 - The partner waits for the role. While the role is lent, it takes it over
   once the request has run for ``HANDOFF_AFTER``, or at once when the
   request waits for an RPC of its own (``futures.blocking`` calls the
@@ -27,9 +28,10 @@ here): then reading must go on without it. So:
   every ``STANDBY_WAIT`` seconds while another thread reads: a request
   that runs long is relieved within ``STANDBY_WAIT + HANDOFF_AFTER``; one
   that blocks on an RPC, at once.
-- A reader runs a request inline only while no other thread runs one: one
-  thread is always free to read (or to take over reading), so a request
-  that blocks stalls nothing but itself.
+- A reader runs a request inline only while no other thread runs one;
+  otherwise (the partner took the role over from a request still running)
+  requests go to the pool. So one thread is always free to read, and a
+  request that blocks stalls nothing but itself.
 
 ``admit(frame)`` runs before each request is handed on, by the reader
 (role held), so requests start in the order they came: it may block (the
@@ -94,6 +96,10 @@ class TakeTurns:
         self._role: int | None = None
         self._lent_at = 0.0
         self._running = 0
+        # The frames of the packet being read: whoever holds the role hands
+        # them on, in order, and a partner that takes the role over goes on
+        # with them before it reads the next packet.
+        self._frames: Iterator[wire.Frame] | None = None
 
     def run(self) -> None:
         mark_transport_thread()
@@ -104,47 +110,42 @@ class TakeTurns:
             if not reading:
                 self._take_role(me)
                 reading = True
-            if stream.state is not OPEN:  # half-closed or ended: nothing more to read
-                self._reader.close()
-                return self._give_up_role()
-            try:
-                packet = next(self._packets)
-            except StopIteration:  # the peer half-closed: answer what it sent, then end
-                stream.move(HALF_CLOSE)
-                self._reader.close()
-                if outbox is not None:
-                    outbox.end_if_answered()
-                return self._give_up_role()
-            except Exception:  # the peer went away; its side reports it
-                return self._end(None)
-            # Frames are decoded one at a time, each looking one ahead (only
-            # the packet's last may run inline).
-            frames = self._reader.frames_in(packet)
-            del packet
-            frame, error = _next_frame(frames)
-            while frame is not None:
-                following, error = _next_frame(frames)
-                if outbox is not None:
-                    outbox.received += 1
-                if not self._admit(frame):
-                    return self._end(None)  # the peer went away while we waited
-                if following is not None or error is not None:
-                    self._on_frame(frame, False)
-                    frame = following
-                    continue
-                reading = self._hand_on(me, frame)
-                # Nothing stays referenced while waiting: a received tensor's
-                # shared-memory slot is freed with its last reference.
-                del frame
-                break
-            else:
+            if self._frames is None:  # the packet is done: read the next one
+                if stream.state is not OPEN:  # half-closed or ended: nothing more to read
+                    self._reader.close()
+                    return self._give_up_role()
+                try:
+                    packet = next(self._packets)
+                except StopIteration:  # the peer half-closed: answer what it sent, then end
+                    stream.move(HALF_CLOSE)
+                    self._reader.close()
+                    if outbox is not None:
+                        outbox.end_if_answered()
+                    return self._give_up_role()
+                except Exception:  # the peer went away; its side reports it
+                    return self._end(None)
+                # Frames are decoded one at a time, as they are handed on.
+                self._frames = self._reader.frames_in(packet)
+                del packet
+            frame, error = _next_frame(self._frames)
+            if frame is None:
+                self._frames = None
                 if error is not None:  # a malformed frame: end this stream, keep serving others
                     return self._end(error)
+                continue
+            if outbox is not None:
+                outbox.received += 1
+            if not self._admit(frame):
+                return self._end(None)  # the peer went away while we waited
+            reading = self._hand_on(me, frame)
+            # Nothing stays referenced while waiting: a received tensor's
+            # shared-memory slot is freed with its last reference.
+            del frame
 
     def _hand_on(self, me: int, frame: wire.Frame) -> bool:
-        """Hand on the last request of a packet: run it here, the role lent,
-        if no other thread runs one; else to the pool. Whether this thread
-        still holds the role."""
+        """Hand on a request: run it here, the role lent, if no other
+        thread runs one; else to the pool. Whether this thread still holds
+        the role (a partner that took it over reads on from this packet)."""
         with self._changed:
             inline = self._running == 0
             if inline:

@@ -136,3 +136,27 @@ def test_the_hand_off_is_set_only_while_a_request_runs_inline():
     _finish(packets, threads)
     [(name, hand_off)] = seen
     assert name == "a" and hand_off is not None
+
+
+@pytest.mark.timeout(60)
+def test_a_partner_that_takes_over_mid_packet_hands_on_the_rest_of_it_in_order():
+    release = threading.Event()
+    ran = queue.SimpleQueue()
+
+    def on_request(name, inline):
+        ran.put((name, inline))
+        if name == "a":
+            assert release.wait(30)
+
+    packets = _Packets()
+    readers = turns.TakeTurns(
+        packets, wire.FrameReader(), lambda frame, inline: on_request(codec.loads(frame), inline)
+    )
+    threads = [threading.Thread(target=readers.run, daemon=True) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    packets._queue.put(b"".join(_packet(name) for name in ("a", "b", "c")))
+    seen = [ran.get(timeout=30) for _ in range(3)]  # b and c while a still runs
+    release.set()
+    _finish(packets, threads)
+    assert seen == [("a", True), ("b", False), ("c", False)]
