@@ -65,8 +65,12 @@ def _calls_over_the_lane(rank, world_size):
     )
 
 
+# The tests of the lane itself turn it on: the suite also runs with RRPC_LANE=0.
+LANE_ON = {"RRPC_LANE": "1"}
+
+
 def test_two_workers_on_one_host_carry_their_calls_over_the_lane():
-    opened, echoed, added, counted = run_workers(_calls_over_the_lane)[0]
+    opened, echoed, added, counted = run_workers(_calls_over_the_lane, env=LANE_ON)[0]
     assert opened is True
     assert echoed and added
     assert counted == {"calls": 3}
@@ -96,10 +100,11 @@ def test_a_lane_switched_off_leaves_the_calls_on_grpc(how):
     assert run_workers(_lane_state, env=env, backend_options=options)[0] is False
 
 
-def test_tensorpipe_transports_with_shm_keep_the_lane():
+def test_tensorpipe_transports_with_shm_keep_the_lane(monkeypatch):
+    monkeypatch.setenv("RRPC_LANE", "1")  # the suite may run with the lane off
     options = rrpc.TensorPipeRpcBackendOptions(_transports=["shm", "uv"], _channels=["basic"])
     assert options.same_host_lane and not options.shared_memory
-    assert run_workers(_lane_state, backend_options=options)[0] is True
+    assert run_workers(_lane_state, env=LANE_ON, backend_options=options)[0] is True
 
 
 def test_an_unknown_tensorpipe_transport_is_refused_by_name():
@@ -125,7 +130,9 @@ def _namespaced(rank, world_size, pair, results):
 def test_workers_in_different_network_namespaces_open_no_lane():
     results = mp_context.Queue()
     with netns.VethPair.create() as pair:
-        run_workers(_namespaced, world_size=3, args=(pair, results), init=False, timeout=90)
+        run_workers(
+            _namespaced, world_size=3, args=(pair, results), init=False, timeout=90, env=LANE_ON
+        )
     assert results.get(timeout=5) == (True, False, 4.0, 6.0)
 
 
@@ -151,7 +158,7 @@ def _break_mid_call(rank, world_size, release):
 
 
 def test_a_lane_that_breaks_mid_call_fails_that_call_naming_the_peer_and_the_next_call_works():
-    error, after = run_workers(_break_mid_call, args=(mp_context.Event(),))[0]
+    error, after = run_workers(_break_mid_call, args=(mp_context.Event(),), env=LANE_ON)[0]
     assert error is not None and "worker1" in error and "lane" in error
     assert after == [5.0, 5.0]
 
@@ -172,7 +179,7 @@ def _lane_path_and_wait(rank, world_size, paths, done):
 
 def test_a_caller_without_the_token_is_refused_on_the_lane_and_the_worker_keeps_serving():
     paths, done = mp_context.Queue(), mp_context.Event()
-    env = {"RRPC_AUTH_TOKEN": "s3cret"}
+    env = {"RRPC_AUTH_TOKEN": "s3cret", **LANE_ON}
     outcome = {}
 
     def stranger():
