@@ -191,8 +191,12 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
     service = _service()
     context = service.table.get(context_id)
     with service.profiling.backward_pass(context_id):  # an event, when this thread profiles
-        hops = _local_pass(service.agent, context, roots, [torch.ones_like(root) for root in roots])
-        if hops:
+        hops = _local_pass(
+            service.agent, context, roots, [torch.ones_like(root) for root in roots], lead=True
+        )
+        if len(hops) == 1:  # a SyncReply: this thread may read its own reply (a lane)
+            hops[0].wait()
+        elif hops:
             all_of(hops).wait()  # a hop's error names its node already
 
 
@@ -359,12 +363,18 @@ def _gradients(
 
 
 def _local_pass(
-    agent: Agent, context: Context, outputs: list[torch.Tensor], grads: list[torch.Tensor]
-) -> list[torch.futures.Future]:
+    agent: Agent,
+    context: Context,
+    outputs: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    lead: bool = False,
+) -> list[Any]:
     """Backpropagate ``grads`` from ``outputs`` through this worker's graph.
 
     Leaf gradients accumulate in ``context``; the gradients that reached recv
-    nodes are sent to their senders. Returns the futures of those messages.
+    nodes are sent to their senders. Returns the futures of those messages;
+    with ``lead`` (the caller blocks for them at once), a lone message's is a
+    ``SyncReply``, whose waiting thread reads its own reply on a lane.
     """
     leaves, recv_nodes = _reachable(outputs)
     dummies = [node.next_functions[0][0].variable for node in recv_nodes]
@@ -391,6 +401,7 @@ def _local_pass(
             peer, by_index = outgoing.setdefault((node.context_id, node.key), (node.peer, {}))
             by_index[node.index] = grad
     timeout = agent.options.rpc_timeout
+    sync = lead and len(outgoing) == 1
     return [
         agent.send(
             peer,
@@ -398,6 +409,7 @@ def _local_pass(
             (context_id, key, by_index),
             timeout,
             f"distributed backward pass (context {context_id})",
+            sync,
         )
         for (context_id, key), (peer, by_index) in outgoing.items()
     ]

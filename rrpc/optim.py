@@ -31,7 +31,7 @@ from collections import defaultdict
 from typing import Any
 
 from rrpc import autograd, restricted
-from rrpc.api import rpc_async
+from rrpc.api import rpc_async, rpc_sync
 from rrpc.futures import values_of
 from rrpc.rref import RRef
 
@@ -130,6 +130,13 @@ class DistributedOptimizer:
     def step(self, context_id: int) -> None:
         """Step every owner's optimizer with its gradients in ``context_id``; wait for all."""
         autograd._is_valid_context(context_id)
+        if len(self._numbers) == 1:  # one owner: a blocking call reads its own reply (a lane)
+            rpc_sync(
+                self.remote_optimizers[0].owner(),
+                _local_optimizer_step,
+                args=(self._numbers[0], context_id),
+            )
+            return
         values_of(
             [
                 rpc_async(optimizer.owner(), _local_optimizer_step, args=(number, context_id))

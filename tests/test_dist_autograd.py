@@ -781,7 +781,7 @@ class _RecordingAgent:
         self.sent = []
         self.options = SimpleNamespace(rpc_timeout=5.0)
 
-    def send(self, peer, kind, obj, timeout, what):
+    def send(self, peer, kind, obj, timeout, what, sync=False):
         self.sent.append((peer, kind, obj))
         future = torch.futures.Future()
         future.set_result(None)

@@ -235,20 +235,25 @@ def _what_a_step_sends():
     w = rrpc.remote("worker1", _param, args=((3, 3), 62))
     optimizer = DistributedOptimizer(torch.optim.SGD, [w], lr=0.1)
     sent = []
-    real = rrpc.optim.rpc_async
+    real = {"rpc_async": rrpc.optim.rpc_async, "rpc_sync": rrpc.optim.rpc_sync}
 
-    def recording(to, func, args=None, kwargs=None, timeout=-1.0):
-        sent.append(args)
-        return real(to, func, args, kwargs, timeout)
+    def recording(name):
+        def call(to, func, args=None, kwargs=None, timeout=-1.0):
+            sent.append(args)
+            return real[name](to, func, args, kwargs, timeout)
 
-    rrpc.optim.rpc_async = recording
+        return call
+
+    for name in real:  # one owner: the step is an rpc_sync; several: rpc_async to each
+        setattr(rrpc.optim, name, recording(name))
     try:
         with rrpc.autograd.context() as context_id:
             loss = rrpc.rpc_sync("worker1", _linear, args=(w, torch.ones(1, 3))).sum()
             rrpc.autograd.backward(context_id, [loss])
             optimizer.step(context_id)
     finally:
-        rrpc.optim.rpc_async = real
+        for name, function in real.items():
+            setattr(rrpc.optim, name, function)
     return [[type(arg).__name__ for arg in args] for args in sent]
 
 
