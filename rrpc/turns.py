@@ -192,6 +192,7 @@ class TakeTurns:
             self._changed.notify_all()
 
     def _end(self, error: BaseException | None) -> None:
+        self._frames = None  # what is left of the packet is not handed on: nobody answers it
         self.stream.move(END, error)
         self._reader.close()
         if self._outbox is not None:

@@ -160,3 +160,31 @@ def test_a_partner_that_takes_over_mid_packet_hands_on_the_rest_of_it_in_order()
     release.set()
     _finish(packets, threads)
     assert seen == [("a", True), ("b", False), ("c", False)]
+
+
+@pytest.mark.timeout(60)
+def test_a_stream_that_ends_mid_packet_hands_on_nothing_after_it_to_either_reader():
+    ran = []
+    admitted = []
+
+    def admit(frame):
+        name = codec.loads(wire.Frame(frame.envelope, frame.payload, list(frame.buffers)))
+        admitted.append(name)
+        return name != "b"  # the stream ends while "b" waits for admission
+
+    packets = _Packets()
+    readers = turns.TakeTurns(
+        packets,
+        wire.FrameReader(),
+        lambda frame, inline: ran.append(codec.loads(frame)),
+        admit=admit,
+    )
+    threads = [threading.Thread(target=readers.run, daemon=True) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    packets._queue.put(b"".join(_packet(name) for name in ("a", "b", "c")))
+    for thread in threads:  # both end by themselves: the stream is closed
+        thread.join(30)
+        assert not thread.is_alive()
+    assert ran == ["a"]
+    assert admitted == ["a", "b"]
