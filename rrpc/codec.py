@@ -362,14 +362,22 @@ class _Scratch(threading.local):
     cost of a small message."""
 
     def __init__(self) -> None:
-        self.out = io.BytesIO()
-        self.buffers: list[pickle.PickleBuffer] = []
-        self.pickler = _FastPickler(self.out, PICKLE_PROTOCOL, buffer_callback=self.buffers.append)
+        self.renew()
         self.envelope = Envelope()
         self.busy = False  # a reducer that pickles (re-entrant dumps) gets fresh objects
 
+    def renew(self) -> None:
+        """A fresh pickler. After a large message: a pickler's memo table keeps
+        the size it grew to, and ``clear_memo`` walks all of it, so one message
+        of 100,000 objects made every later call on the thread pay ~1 ms."""
+        self.out = io.BytesIO()
+        self.buffers: list[pickle.PickleBuffer] = []
+        self.pickler = _FastPickler(self.out, PICKLE_PROTOCOL, buffer_callback=self.buffers.append)
+
 
 _scratch = _Scratch()
+# A payload larger than this may have grown the pickler's memo table: renew it.
+_RENEW_AFTER = 16 << 10
 
 
 def _dump_with(pickler: Any, out: io.BytesIO, buffers: list, obj: Any) -> tuple:
@@ -404,10 +412,13 @@ def dumps(
             except _NeedsCloudpickle:
                 pass
             finally:
-                scratch.out.seek(0)
-                scratch.out.truncate()
-                scratch.buffers.clear()
-                scratch.pickler.clear_memo()
+                if scratch.out.tell() > _RENEW_AFTER or len(scratch.buffers) > 256:
+                    scratch.renew()
+                else:
+                    scratch.out.seek(0)
+                    scratch.out.truncate()
+                    scratch.buffers.clear()
+                    scratch.pickler.clear_memo()
                 scratch.busy = False
         else:
             try:

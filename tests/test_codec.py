@@ -505,3 +505,19 @@ def test_sparse_tensor_with_out_of_bounds_indices_is_rejected_not_built():
     (frame,) = FrameReader().feed(b"".join(bytes(piece) for piece in out.pieces))
     with pytest.raises(SerializationError, match="index 7"):
         codec.loads(frame, peer="worker3")
+
+
+def test_a_large_message_leaves_the_thread_a_fresh_pickler_and_a_small_one_keeps_it():
+    # A pickler's memo table keeps the size it grew to, and clearing it walks
+    # all of it: after one message of 100,000 objects, every small message on
+    # the thread cost ~1 ms more (20,000 small encodes: 16 s instead of 0.2).
+    codec.encode(3, 1, ("warm", 1))
+    kept = codec._scratch.pickler
+    codec.encode(3, 2, ("small", 2))
+    assert codec._scratch.pickler is kept
+    codec.encode(3, 3, [[i] for i in range(100_000)])
+    renewed = codec._scratch.pickler
+    assert renewed is not kept
+    frame = wire.FrameReader().feed(b"".join(codec.encode(3, 4, ("after", 4)).pieces))[0]
+    assert codec.loads(frame) == ("after", 4)  # the fresh pickler works
+    assert codec._scratch.pickler is renewed

@@ -2,7 +2,6 @@
 batching, lingering, ending), the readers' turns, and the bound on a peer's
 requests in flight."""
 
-import gc
 import threading
 import weakref
 
@@ -172,14 +171,7 @@ def test_a_packet_of_many_frames_is_handed_out_in_order_without_keeping_any():
         seen.append(frame.envelope.request_id)
         previous[:] = [weakref.ref(frame)]
 
-    # Without the cyclic collector: the frames are freed by their reference
-    # counts (what is checked), and late in the suite each of the collections
-    # 20,000 frames trigger scans a heap of millions of objects (17 s, not 0.3).
-    gc.disable()
-    try:
-        streams.read_frames(iter([b"".join(frames)]), wire.FrameReader(), on_frame, outbox)
-    finally:
-        gc.enable()
+    streams.read_frames(iter([b"".join(frames)]), wire.FrameReader(), on_frame, outbox)
     assert seen == list(range(20_000))
     assert outbox.received == 20_000
     assert held == []
