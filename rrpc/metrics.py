@@ -261,7 +261,11 @@ def function_of(kind: int, obj: Any) -> str:
     return kind_label(kind)
 
 
-_names: dict[Any, str] = {}  # function_name's answers, for the functions called most
+# function_name's answers for module-level functions and builtins, which live
+# as long as their module anyway. Not lambdas or closures: a caller may make
+# one per call, and each unpickled by value is a new object holding what it
+# captured; the cache would keep them alive.
+_names: dict[Any, str] = {}
 
 
 def function_name(func: Any) -> str:
@@ -271,7 +275,11 @@ def function_name(func: Any) -> str:
     except (KeyError, TypeError):  # not seen yet, or not hashable
         pass
     name = _function_name(func)
-    if isinstance(func, (types.FunctionType, types.BuiltinFunctionType)) and len(_names) < 4096:
+    if (
+        isinstance(func, (types.FunctionType, types.BuiltinFunctionType))
+        and "<" not in name  # <lambda>, <locals>
+        and len(_names) < 4096
+    ):
         _names[func] = name  # functions hash by identity and keep their names
     return name
 

@@ -244,3 +244,28 @@ def test_prometheus_endpoint_serves_the_counters_of_the_calls_made():
     assert value("rrpc_function_latency_seconds_bucket", function=_name(_add_one), le="+Inf") == 7
     assert value("rrpc_worker_in_flight") == 0
     assert value("rrpc_worker_queue_depth") == 0
+
+
+def _module_level_function():
+    return None
+
+
+def test_function_names_are_remembered_for_module_functions_but_no_closure_is_kept_alive():
+    import gc
+    import weakref
+
+    from rrpc import metrics
+
+    name = metrics.function_name(_module_level_function)
+    assert name == "test_metrics._module_level_function"
+    assert metrics._names[_module_level_function] == name
+
+    def make(captured):
+        return lambda: captured
+
+    closure = make(torch.ones(1024))
+    assert metrics.function_name(closure).endswith("make.<locals>.<lambda>")
+    alive = weakref.ref(closure)
+    del closure
+    gc.collect()
+    assert alive() is None  # the name cache does not hold what a call captured
