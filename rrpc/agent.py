@@ -208,6 +208,8 @@ class Agent:
             batch_delay=options.batch_delay,
             batch_min_open=options.batch_min_open,
             rank=rank,
+            bulk_channel=options.bulk_channel,
+            peer_timeout=options.peer_timeout,
         )
         self.address = self.server.address
         # Our same-host lane's socket (lane_listener.py), which callers on this host dial.
@@ -231,6 +233,7 @@ class Agent:
             "main": codec.main_fingerprint(),
             "lane": self.lane_listener.path if self.lane_listener is not None else "",
             "lane_key": lane.lane_key() if self.lane_listener is not None else "",
+            "bulk": self.server.bulk_port,
         }
 
     def frame_reader(self, rank: int) -> wire.FrameReader:

@@ -59,20 +59,16 @@ from typing import Any
 
 from rrpc import auth, logs, streams, wire
 from rrpc.lane_io import (
-    ACCEPTED,
-    ANSWER,
     GOODBYE_ID,
     HANDSHAKE_TIMEOUT,
-    HELLO,
     MAGIC,
-    NO_PROOF,
     POLL_SLICE_MS,
     LaneBroken,
     Reader,
     Writer,
     lane_key,
+    open_as_caller,
     peer_pid,
-    recv_exactly,
     shut,
     unresponsive,
 )
@@ -350,35 +346,10 @@ def connect(
     (non-blocking). Raises AuthenticationError or OSError."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        deadline = time.monotonic() + timeout  # one limit for the whole exchange
-
-        def left_ms() -> int:
-            return max(1, int((deadline - time.monotonic()) * 1000))
-
         sock.settimeout(timeout)
+        start = time.monotonic()  # one limit for the whole exchange
         sock.connect(path)
-        caller_nonce = auth.new_nonce()
-        sock.sendall(HELLO.pack(MAGIC, ranks[0], caller_nonce))
-        sock.setblocking(False)
-        answer = recv_exactly(sock, ANSWER.size, left_ms())
-        callee_rank, callee_nonce, callee_proof = ANSWER.unpack(answer)
-        if callee_rank != ranks[1]:
-            raise AuthenticationError(
-                f"lane at {path} belongs to rank {callee_rank}, not rank {ranks[1]}"
-            )
-        binding = auth.Binding(ranks[0], ranks[1], path, caller_nonce, callee_nonce)
-        proof = NO_PROOF
-        if token is not None:
-            if not token.verify(auth.CALLEE, binding, callee_proof):
-                raise AuthenticationError(
-                    f"rank {ranks[1]}'s lane at {path} did not prove the cluster token"
-                )
-            proof = token.proof(auth.CALLER, binding)
-        sock.settimeout(left_ms() / 1000)
-        sock.sendall(proof)
-        sock.setblocking(False)
-        if recv_exactly(sock, 1, left_ms()) != ACCEPTED:
-            raise AuthenticationError(f"rank {ranks[1]}'s lane at {path} refused this worker")
+        open_as_caller(sock, MAGIC, ranks, path, token, timeout - (time.monotonic() - start))
         return sock
     except BaseException:
         sock.close()

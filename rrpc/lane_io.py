@@ -1,7 +1,8 @@
 """Bytes on a lane's Unix socket: the opening exchange, reads, and ordered writes.
 
 Both ends of a lane (``lane.py``, the caller's; ``lane_listener.py``, the
-callee's) use these. The socket is non-blocking; a thread that must wait
+callee's) use these; a bulk socket (``bulk.py``) opens with the same
+exchange. The socket is non-blocking; a thread that must wait
 for it waits in ``poll``, so that a reader can re-check its own reply (its
 deadline, a break) while no byte comes, and a writer never blocks while it
 holds the write lock.
@@ -36,6 +37,8 @@ HANDSHAKE_TIMEOUT = 10.0  # seconds either end has to finish the handshake
 #
 # Without a token the proofs are 32 zero bytes and are not checked: the lane
 # then trusts what the socket's directory lets in (this user's processes).
+# The proofs cover both ranks, both nonces and where the callee listens
+# (``auth.Binding``); MAGIC says what the socket is for.
 MAGIC = b"rrpclan1"
 # After the opening exchange only frames cross (``wire``). A frame with request
 # id 0 is the callee's last word: its payload is why it closes the lane (UTF-8
@@ -104,6 +107,71 @@ class Reader:
                 raise LaneClosed("lane closed by its peer")
             return data
         return None
+
+
+def open_as_caller(
+    sock: socket.socket,
+    magic: bytes,
+    ranks: tuple[int, int],
+    where: str,
+    token: auth.Token | None,
+    timeout: float = HANDSHAKE_TIMEOUT,
+) -> None:
+    """The caller's side of the opening exchange on a connected socket, left
+    non-blocking; ``where`` is the callee's listening address, which the proofs
+    cover. One limit for the whole exchange. Raises AuthenticationError or OSError."""
+    deadline = time.monotonic() + timeout
+
+    def left_ms() -> int:
+        return max(1, int((deadline - time.monotonic()) * 1000))
+
+    caller_nonce = auth.new_nonce()
+    sock.settimeout(timeout)
+    sock.sendall(HELLO.pack(magic, ranks[0], caller_nonce))
+    sock.setblocking(False)
+    callee_rank, callee_nonce, callee_proof = ANSWER.unpack(
+        recv_exactly(sock, ANSWER.size, left_ms())
+    )
+    if callee_rank != ranks[1]:
+        raise AuthenticationError(f"{where} belongs to rank {callee_rank}, not rank {ranks[1]}")
+    binding = auth.Binding(ranks[0], ranks[1], where, caller_nonce, callee_nonce)
+    proof = NO_PROOF
+    if token is not None:
+        if not token.verify(auth.CALLEE, binding, callee_proof):
+            raise AuthenticationError(f"rank {ranks[1]} at {where} did not prove the cluster token")
+        proof = token.proof(auth.CALLER, binding)
+    sock.settimeout(left_ms() / 1000)
+    sock.sendall(proof)
+    sock.setblocking(False)
+    if recv_exactly(sock, 1, left_ms()) != ACCEPTED:
+        raise AuthenticationError(f"rank {ranks[1]} at {where} refused this worker")
+
+
+def open_as_callee(
+    sock: socket.socket, magic: bytes, rank: int, where: str, token: auth.Token | None
+) -> int:
+    """The callee's side of the opening exchange on a non-blocking socket: the
+    caller's rank, once it proved the token (``where``: this end's listening
+    address). Raises AuthenticationError, LaneBroken, OSError or struct.error."""
+    deadline_ms = int(HANDSHAKE_TIMEOUT * 1000)
+    found, caller_rank, caller_nonce = HELLO.unpack(recv_exactly(sock, HELLO.size, deadline_ms))
+    if found != magic:
+        raise AuthenticationError(f"not an rrpc hello for {where}")
+    callee_nonce = auth.new_nonce()
+    binding = auth.Binding(caller_rank, rank, where, caller_nonce, callee_nonce)
+    proof = token.proof(auth.CALLEE, binding) if token else NO_PROOF
+    sock.settimeout(HANDSHAKE_TIMEOUT)
+    sock.sendall(ANSWER.pack(rank, callee_nonce, proof))
+    sock.setblocking(False)
+    caller_proof = recv_exactly(sock, auth.PROOF_SIZE, deadline_ms)
+    if token is not None and not token.verify(auth.CALLER, binding, caller_proof):
+        sock.setblocking(True)
+        sock.sendall(REFUSED)
+        raise AuthenticationError(f"rank {caller_rank} did not prove the cluster token")
+    sock.setblocking(True)
+    sock.sendall(ACCEPTED)
+    sock.setblocking(False)
+    return caller_rank
 
 
 def recv_exactly(sock: socket.socket, size: int, timeout_ms: int) -> bytes:

@@ -24,19 +24,13 @@ from typing import Any
 
 from rrpc import auth, logs, streams, turns, wire
 from rrpc.lane_io import (
-    ACCEPTED,
-    ANSWER,
-    HANDSHAKE_TIMEOUT,
-    HELLO,
     MAGIC,
-    NO_PROOF,
-    REFUSED,
     LaneBroken,
     LaneClosed,
     Reader,
     Writer,
     goodbye,
-    recv_exactly,
+    open_as_callee,
     shut,
 )
 from rrpc.messages import AuthenticationError
@@ -93,31 +87,10 @@ class Listener:
                 target=self._serve, args=(sock,), name=f"rrpc-lane-serve-{self.rank}", daemon=True
             ).start()
 
-    def _handshake(self, sock: socket.socket) -> int:
-        """The caller's rank, once it proved the token."""
-        deadline_ms = int(HANDSHAKE_TIMEOUT * 1000)
-        hello = recv_exactly(sock, HELLO.size, deadline_ms)
-        magic, caller_rank, caller_nonce = HELLO.unpack(hello)
-        if magic != MAGIC:
-            raise AuthenticationError("not an rrpc lane hello")
-        callee_nonce = auth.new_nonce()
-        binding = auth.Binding(caller_rank, self.rank, self.path, caller_nonce, callee_nonce)
-        proof = self._token.proof(auth.CALLEE, binding) if self._token else NO_PROOF
-        sock.setblocking(True)
-        sock.settimeout(HANDSHAKE_TIMEOUT)
-        sock.sendall(ANSWER.pack(self.rank, callee_nonce, proof))
-        sock.setblocking(False)
-        caller_proof = recv_exactly(sock, auth.PROOF_SIZE, deadline_ms)
-        if self._token is not None and not self._token.verify(auth.CALLER, binding, caller_proof):
-            sock.sendall(REFUSED)
-            raise AuthenticationError(f"rank {caller_rank} did not prove the cluster token")
-        sock.sendall(ACCEPTED)
-        return caller_rank
-
     def _serve(self, sock: socket.socket) -> None:
         sock.setblocking(False)
         try:
-            caller_rank = self._handshake(sock)
+            caller_rank = open_as_callee(sock, MAGIC, self.rank, self.path, self._token)
         except (AuthenticationError, LaneBroken, OSError, struct.error) as exc:
             logs.event("lane-refused", "lane", "%s: lane caller refused: %s", self.rank, exc)
             self._drop(sock)

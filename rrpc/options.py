@@ -58,11 +58,16 @@ class RpcBackendOptions:
             pid and network namespace, and user) over a Unix socket on which the
             calling thread does its own I/O, instead of gRPC (env ``RRPC_LANE``;
             see ``rrpc/lane.py``). gRPC stays the control plane and the fallback.
+        bulk_channel: carry the large tensor buffers of a gRPC stream (1 MiB or
+            more in one message) on a TCP socket beside it, sent from and received
+            into the tensors' memory (env ``RRPC_BULK``; see ``rrpc/bulk.py``).
+            Off with TLS: the socket is not encrypted.
         _transports / _channels: TensorPipe's names, for code written for it.
             ``_transports`` without ``"shm"`` turns the same-host lane off;
             ``_channels`` without ``"cma"`` turns the shared-memory path for large
-            tensors off (TensorPipe's same-host channel). ``None``: rrpc's own
-            switches decide.
+            tensors off (TensorPipe's same-host channel), without ``"mpt_uv"``
+            the bulk socket (TensorPipe's channel of several TCP connections).
+            ``None``: rrpc's own switches decide.
         restricted: run only functions and classes exposed with
             ``rrpc.functions.expose`` and unpickle only safe types, for networks
             whose authenticated peers are not trusted to run code (env
@@ -92,6 +97,7 @@ class RpcBackendOptions:
     batch_min_open: int = 16
     run_inline: bool = field(default_factory=lambda: _env_flag("RRPC_INLINE", True))
     same_host_lane: bool = field(default_factory=lambda: _env_flag("RRPC_LANE", True))
+    bulk_channel: bool = field(default_factory=lambda: _env_flag("RRPC_BULK", True))
     peer_timeout: float = field(default_factory=lambda: _env_float("RRPC_PEER_TIMEOUT", 8.0))
     rref_delete_delay: float = field(default_factory=lambda: _env_float("RRPC_DELETE_DELAY", 5e-3))
     restricted: bool = field(default_factory=lambda: _env_flag("RRPC_RESTRICTED", False))
@@ -119,6 +125,7 @@ class RpcBackendOptions:
         if self._channels is not None:
             self._channels = list(self._channels)
             self.shared_memory = self.shared_memory and "cma" in self._channels
+            self.bulk_channel = self.bulk_channel and "mpt_uv" in self._channels
         for name in (
             "rpc_timeout",
             "init_timeout",

@@ -37,6 +37,7 @@ class Peer:
     placer: shm.Placer | None = None  # our shared-memory pool, bound to its pid
     source: Callable[[Any], torch.Tensor] | None = None  # maps its segments, only its
     lane_path: str = ""  # its same-host lane's socket, when one may open to it (lane.py)
+    bulk_port: int = 0  # its bulk port (bulk.py), 0: none
 
 
 class Directory:
@@ -66,6 +67,7 @@ class Directory:
         lane_key = advertised.get("lane_key", "")
         if self._lane_key and lane_key == self._lane_key:
             peer.lane_path = advertised.get("lane", "")
+        peer.bulk_port = int(advertised.get("bulk", 0) or 0)
         self._by_name[info.name] = peer
         self._by_rank[info.id] = peer
 

@@ -72,7 +72,8 @@ class Routes:
             if connection is None:
                 if self._stopped:
                     raise RpcError(f"rrpc on {self._agent.info.name} is shut down")
-                address = self._agent.peers.address(peer.id)
+                entry = self._agent.peers.known(peer.id)
+                address = entry.address if entry is not None else None
                 if address is None:
                     raise PeerUnavailableError(
                         self._agent.peers.departed.get(
@@ -97,6 +98,7 @@ class Routes:
                     peer_timeout=self._options.peer_timeout,
                     auth_token=self._options.auth_token,
                     ranks=(self._agent.info.id, peer.id),
+                    bulk_port=entry.bulk_port if self._options.bulk_channel else 0,
                 )
                 self._connections[peer.id] = connection
                 self._opened.append(connection)

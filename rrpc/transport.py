@@ -27,6 +27,9 @@ Rules:
   collector can hang the interpreter's exit in gRPC's finalizer.
 - gRPC refuses a message larger than any rrpc sends (``packet_limit``) from
   its header, before it holds the bytes.
+- A stream may have a bulk socket beside it for its large tensor buffers
+  (``bulk.py``): its caller dials it, the key in the stream's metadata names
+  the stream, and either ending ends the other.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from typing import Any
 
 import grpc
 
-from rrpc import auth, logs, streams, turns, wire
+from rrpc import auth, bulk, logs, streams, turns, wire
 from rrpc.messages import AuthenticationError, PeerUnavailableError, mark_transport_thread
 from rrpc.scheduler import Handle, Scheduler
 from rrpc.streams import (
@@ -126,12 +129,28 @@ class Connection:
         peer_timeout: float = 8.0,
         auth_token: str | None = None,
         ranks: tuple[int, int] = (-1, -1),
+        bulk_port: int = 0,
     ):
         """``auth_token``: prove it to the peer, and require its proof within
         ``peer_timeout`` seconds (``ranks``: this worker's and the peer's,
-        which the proofs cover)."""
+        which the proofs cover). ``bulk_port``: the peer's bulk port, dialed
+        when a large frame goes either way (0: none, every frame in the stream)."""
         self.peer_name = peer_name
         self.stream = StreamState()
+        self._bulk: bulk.Channel | None = None
+        self._bulk_broke: BaseException | None = None
+        if bulk_port:
+            key = bulk.new_key()
+            token = auth.Token(auth_token) if auth_token is not None else None
+            self._bulk = bulk.Channel(
+                peer_name,
+                f"rrpc-bulk-{{}}-{peer_name}",
+                max_message_size,
+                peer_timeout,
+                on_broken=self._bulk_broken,
+                dial=lambda: bulk.dial(address.rsplit(":", 1)[0], bulk_port, ranks, token, key),
+            )
+            metadata = [*metadata, (bulk.KEY_METADATA, key.hex())]
         self._outbox = Outbox(packet_size, batch_delay, batch_min_open, stream=self.stream)
         options = _channel_options(peer_timeout, packet_size)
         if credentials is None:
@@ -154,16 +173,25 @@ class Connection:
         self._call = exchange(requests, metadata=metadata)
         if self._handshake is not None:
             self._timer = scheduler.call_later(peer_timeout, self._expire, peer_timeout)
-        self._on_frame = on_frame
+        self._on_frame = on_frame if self._bulk is None else self._bulk.watching(on_frame)
         self._on_close = on_close
-        self._reader = wire.FrameReader(max_message_size, attach)
+        claim = self._bulk.claim if self._bulk is not None else None
+        self._reader = wire.FrameReader(max_message_size, attach, claim)
         self._thread = threading.Thread(
             target=self._receive, name=f"rrpc-recv-{peer_name}", daemon=True
         )
         self._thread.start()
 
     def send(self, pieces: list[Any]) -> None:
-        self._outbox.put(pieces)
+        if self._bulk is None:
+            self._outbox.put(pieces)
+        else:
+            self._bulk.send(pieces, self._outbox.put)
+
+    def _bulk_broken(self, error: BaseException) -> None:
+        """The bulk socket failed: the stream ends with it."""
+        self._bulk_broke = PeerUnavailableError(f"stream to {self.peer_name} broke: {error}")
+        self._call.cancel()
 
     def _after_handshake(self, packets: Iterator[bytes]) -> Iterator[bytes]:
         """The request side with a token: nothing until the peer proved
@@ -203,7 +231,7 @@ class Connection:
             self._call.cancel()
         except grpc.RpcError as exc:
             # Closed already if the handshake timed out (and cancelled the call).
-            error = self.stream.error or _stream_error(exc, self.peer_name)
+            error = self.stream.error or self._bulk_broke or _stream_error(exc, self.peer_name)
         except Exception as exc:  # a malformed frame from the peer
             error = PeerUnavailableError(f"stream from {self.peer_name} broke: {exc}")
             self._call.cancel()
@@ -211,6 +239,8 @@ class Connection:
             self._reader.close()
             if self._timer is not None:
                 self._timer.cancel()
+            if self._bulk is not None:
+                self._bulk.close()
         self.stream.move(END, error)  # lets the request side end if it never began
         self._on_close(self, self.stream.error)  # may run before __init__ returned: pass self
 
@@ -279,7 +309,10 @@ class Server:
         batch_delay: float = 0.0,
         batch_min_open: int = 0,
         rank: int = -1,
+        bulk_channel: bool = False,
+        peer_timeout: float = 8.0,
     ):
+        """``bulk_channel``: accept bulk sockets beside the streams (``bulk_port``)."""
         self._on_frame = on_frame
         self._attach = attach
         self._token = auth.Token(auth_token) if auth_token is not None else None
@@ -311,7 +344,23 @@ class Server:
             raise OSError(f"cannot listen on {target}")
         # What peers dial, and what the auth proofs cover.
         self.address = f"{bracket(host)}:{self.port}"
+        self._peer_timeout = peer_timeout
+        # The bulk sockets' port, and the served streams they may bind to, by key.
+        self._bulk_streams: dict[bytes, tuple[int, bulk.Channel]] = {}
+        self._bulk_changed = threading.Condition()
+        self._bulk_listener: bulk.Listener | None = None
+        if bulk_channel and credentials is None:  # a bulk socket is not encrypted
+            self._bulk_listener = bulk.Listener(host, rank, self._token, self._bulk_stream)
+        self.bulk_port = self._bulk_listener.port if self._bulk_listener is not None else 0
         self._server.start()
+
+    def _bulk_stream(self, rank: int, key: bytes) -> bulk.Channel | None:
+        """The served stream of ``rank`` that ``key`` names. A caller may dial
+        as soon as it opened the stream: wait a little for this end to see it."""
+        with self._bulk_changed:
+            self._bulk_changed.wait_for(lambda: key in self._bulk_streams, bulk.FIND_WAIT)
+            found = self._bulk_streams.get(key)
+        return found[1] if found is not None and found[0] == rank else None
 
     def _exchange(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext):
         metadata = dict(context.invocation_metadata())
@@ -343,11 +392,15 @@ class Server:
             stream.move(START)
         outbox = Outbox(self._packet_size, *self._batching, track_backlog=True, stream=stream)
         in_flight = self.admission.of(peer_rank)
+        channel, key = self._bulk_channel(metadata, peer_rank, context)
 
         def stream_over() -> None:
             stream.move(END)
             in_flight.wake()
             outbox.end()
+            if channel is not None:
+                self._bulk_streams.pop(key, None)
+                channel.close()
 
         # A caller that half-closed is no longer read from: if it then goes
         # away with requests unanswered, only this ends the stream (and frees
@@ -355,9 +408,13 @@ class Server:
         context.add_callback(stream_over)
         self._outboxes.add(outbox)
         attach = functools.partial(self._attach, peer_rank) if self._attach else None
-        reader = wire.FrameReader(self._max_message_size, attach)
+        reader = wire.FrameReader(
+            self._max_message_size, attach, channel.claim if channel is not None else None
+        )
 
-        respond = outbox.put
+        respond: Callable[[list[Any]], Any] = outbox.put
+        if channel is not None:
+            respond = functools.partial(channel.send, put=outbox.put)
 
         def on_frame(frame: wire.Frame, inline: bool) -> None:
             weight = streams.weight(frame)  # taken by the reader (admit, below)
@@ -384,6 +441,31 @@ class Server:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed frame: {exc}")
         finally:
             self._outboxes.discard(outbox)
+
+    def _bulk_channel(
+        self, metadata: dict[str, Any], peer_rank: int, context: grpc.ServicerContext
+    ) -> tuple[bulk.Channel | None, bytes]:
+        """The bulk end of a stream whose caller may dial one (its key in the
+        metadata), registered for ``bulk.Listener`` to bind; (None, b"") if not."""
+        if self._bulk_listener is None:
+            return None, b""
+        try:
+            key = bytes.fromhex(metadata.get(bulk.KEY_METADATA, ""))
+        except ValueError:
+            return None, b""
+        if len(key) != bulk.KEY_SIZE or key in self._bulk_streams:
+            return None, b""
+        channel = bulk.Channel(
+            f"rank {peer_rank}",
+            f"rrpc-bulk-{{}}-{self._rank}<-{peer_rank}",
+            self._max_message_size,
+            self._peer_timeout,
+            on_broken=lambda error: context.cancel(),
+        )
+        with self._bulk_changed:
+            self._bulk_streams[key] = (peer_rank, channel)
+            self._bulk_changed.notify_all()
+        return channel, key
 
     def _authenticate(
         self,
@@ -444,6 +526,8 @@ class Server:
         )  # fmt: skip
 
     def stop(self, grace: float | None = 1.0) -> None:
+        if self._bulk_listener is not None:
+            self._bulk_listener.stop()
         for outbox in list(self._outboxes):
             outbox.stream.move(END)
             outbox.end()

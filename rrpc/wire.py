@@ -17,7 +17,10 @@ schema and field meanings in ``proto/rrpc.proto``)::
 
 A buffer sent through same-host shared memory (``shm.py``) has size 0 in
 ``buffer_sizes`` and a descriptor in ``shared_buffers`` under its index; the
-reader builds the tensor over the peer's slot, with no copy. With an auth
+reader builds the tensor over the peer's slot, with no copy. A frame whose
+envelope has ``bulk`` set carries no buffer bytes in the stream: they come on
+the stream's bulk socket (``bulk.py``), which the reader claims them from
+(``claim``), sizes checked. With an auth
 token each direction of a stream opens with a HANDSHAKE frame: an envelope
 alone (``auth.py``).
 
@@ -159,9 +162,11 @@ class FrameReader:
         self,
         max_message_size: int = 0,
         attach: Callable[[SharedBuffer], torch.Tensor] | None = None,
+        claim: Callable[[int, list[int]], list[np.ndarray]] | None = None,
     ):
         self.max_message_size = max_message_size
         self._attach = attach  # builds a tensor over a shared-memory descriptor
+        self.claim = claim  # a bulk transfer's buffers, by id and sizes (bulk.Channel.claim)
         self._head = bytearray()  # bytes of an incomplete header+envelope
         self._envelope: Envelope | None = None
         self._payload = bytearray()
@@ -222,10 +227,17 @@ class FrameReader:
         sizes = list(envelope.buffer_sizes)
         payload_end = body + envelope.payload_size
         frame_end = payload_end + sum(sizes)
+        if envelope.bulk:
+            frame_end = payload_end  # its buffers come on the bulk socket
         if frame_end > end or envelope.shared_buffers or len(sizes) > MAX_BUFFERS:
             return None  # also checks the limits, counting shared buffers
         if self.max_message_size and frame_end - body > self.max_message_size:
             return None  # the general path raises the error
+        if envelope.bulk:
+            if self.max_message_size and _declared_size(envelope) > self.max_message_size:
+                return None
+            claimed = self._claim(envelope)
+            return Frame(envelope, bytes(view[body:payload_end]), claimed), frame_end
         buffers: list[np.ndarray | torch.Tensor] = []
         offset = payload_end
         for size in sizes:
@@ -286,6 +298,11 @@ class FrameReader:
         envelope = self._envelope
         assert envelope is not None
         sizes = envelope.buffer_sizes
+        if envelope.bulk:
+            if not self._payload_missing() and len(self._buffers) < len(sizes):
+                self._buffers = self._claim(envelope)
+                self._target = None
+            return
         while (
             not self._payload_missing()
             and len(self._buffers) < len(sizes)
@@ -312,6 +329,15 @@ class FrameReader:
             buffer = np.empty(size, dtype=np.uint8) if size <= GROW_FROM else _GrowingBuffer(size)
             self._buffers.append(buffer)  # type: ignore[arg-type]  # a _GrowingBuffer until full
             self._target, self._filled = buffer, 0
+
+    def _claim(self, envelope: Envelope) -> list[np.ndarray | torch.Tensor]:
+        """The buffers of a frame sent with ``bulk``: from the bulk socket,
+        once they are in (``bulk.Channel.claim`` waits, and checks the sizes)."""
+        if self.claim is None:
+            raise ProtocolError("a bulk frame on a stream without a bulk socket")
+        if envelope.shared_buffers:
+            raise ProtocolError("a bulk frame with shared-memory buffers")
+        return list(self.claim(envelope.bulk, list(envelope.buffer_sizes)))
 
     def _complete(self) -> bool:
         return (
@@ -347,6 +373,17 @@ class FrameReader:
         frame = Frame(envelope, bytes(self._payload), self._buffers)
         self._envelope, self._target, self._buffers = None, None, []
         return frame
+
+
+def with_bulk(first: bytes, transfer: int) -> bytes:
+    """A frame's first piece (header, envelope, payload) with its envelope's
+    ``bulk`` set to ``transfer``: its buffers go on the bulk socket instead."""
+    (head_size,) = HEADER.unpack_from(first)
+    envelope = Envelope()
+    envelope.ParseFromString(first[HEADER.size : HEADER.size + head_size])
+    envelope.bulk = transfer
+    head = envelope.SerializeToString()
+    return b"".join((HEADER.pack(len(head)), head, first[HEADER.size + head_size :]))
 
 
 def packets(pieces: Iterator[Any], packet_size: int) -> Iterator[bytes]:

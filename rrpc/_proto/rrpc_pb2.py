@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\nrrpc.proto\x12\x04rrpc\"\x9e\x02\n\x08\x45nvelope\x12\x0c\n\x04kind\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\x04\x12\x1b\n\x13\x61utograd_context_id\x18\x03 \x01(\x04\x12\x14\n\x0cpayload_size\x18\x04 \x01(\x04\x12\x14\n\x0c\x62uffer_sizes\x18\x05 \x03(\x04\x12\x39\n\x0eshared_buffers\x18\x06 \x03(\x0b\x32!.rrpc.Envelope.SharedBuffersEntry\x12\"\n\thandshake\x18\x07 \x01(\x0b\x32\x0f.rrpc.Handshake\x1aH\n\x12SharedBuffersEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12!\n\x05value\x18\x02 \x01(\x0b\x32\x12.rrpc.SharedBuffer:\x02\x38\x01\")\n\tHandshake\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\r\n\x05proof\x18\x02 \x01(\x0c\"=\n\x0cSharedBuffer\x12\x0f\n\x07segment\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04size\x18\x03 \x01(\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\nrrpc.proto\x12\x04rrpc\"\xac\x02\n\x08\x45nvelope\x12\x0c\n\x04kind\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\x04\x12\x1b\n\x13\x61utograd_context_id\x18\x03 \x01(\x04\x12\x14\n\x0cpayload_size\x18\x04 \x01(\x04\x12\x14\n\x0c\x62uffer_sizes\x18\x05 \x03(\x04\x12\x39\n\x0eshared_buffers\x18\x06 \x03(\x0b\x32!.rrpc.Envelope.SharedBuffersEntry\x12\"\n\thandshake\x18\x07 \x01(\x0b\x32\x0f.rrpc.Handshake\x12\x0c\n\x04\x62ulk\x18\x08 \x01(\x04\x1aH\n\x12SharedBuffersEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12!\n\x05value\x18\x02 \x01(\x0b\x32\x12.rrpc.SharedBuffer:\x02\x38\x01\")\n\tHandshake\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\r\n\x05proof\x18\x02 \x01(\x0c\"=\n\x0cSharedBuffer\x12\x0f\n\x07segment\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04size\x18\x03 \x01(\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,11 +34,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENVELOPE_SHAREDBUFFERSENTRY']._loaded_options = None
   _globals['_ENVELOPE_SHAREDBUFFERSENTRY']._serialized_options = b'8\001'
   _globals['_ENVELOPE']._serialized_start=21
-  _globals['_ENVELOPE']._serialized_end=307
-  _globals['_ENVELOPE_SHAREDBUFFERSENTRY']._serialized_start=235
-  _globals['_ENVELOPE_SHAREDBUFFERSENTRY']._serialized_end=307
-  _globals['_HANDSHAKE']._serialized_start=309
-  _globals['_HANDSHAKE']._serialized_end=350
-  _globals['_SHAREDBUFFER']._serialized_start=352
-  _globals['_SHAREDBUFFER']._serialized_end=413
+  _globals['_ENVELOPE']._serialized_end=321
+  _globals['_ENVELOPE_SHAREDBUFFERSENTRY']._serialized_start=249
+  _globals['_ENVELOPE_SHAREDBUFFERSENTRY']._serialized_end=321
+  _globals['_HANDSHAKE']._serialized_start=323
+  _globals['_HANDSHAKE']._serialized_end=364
+  _globals['_SHAREDBUFFER']._serialized_start=366
+  _globals['_SHAREDBUFFER']._serialized_end=427
 # @@protoc_insertion_point(module_scope)

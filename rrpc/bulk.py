@@ -1,0 +1,426 @@
+"""Bulk bytes between hosts: a gRPC stream's large tensor buffers on a TCP socket of their own.
+
+Theory of operation. grpcio's Python API moves ``bytes`` objects: a tensor
+sent on a gRPC stream is joined into packets, copied into gRPC's buffers,
+handed to the reader as new ``bytes`` and copied into the received tensor,
+four passes over memory between the two sockets, each one costing about as
+much as the link. A TCP socket of its own sends from the tensor's memory and
+receives into the new tensor's (``sendmsg``, ``recv_into``): the kernel's
+copies only. So a gRPC stream may have a *bulk socket* beside it, as
+TensorPipe's tensors travel on channels beside its transport:
+
+- Every worker listens on a TCP port of its gRPC host (``Listener``) and
+  advertises it. A stream's caller dials it (``dial``) the first time a frame
+  with ``BULK_MIN`` bytes of buffers or more goes either way on the stream
+  (that frame still travels in the stream). Both ends prove the cluster
+  token as a lane's do (``lane_io.open_as_caller``, bound to the listening
+  address), then the caller names its stream by the random key it sent in
+  the stream's metadata (``KEY_METADATA``), and the callee binds the socket
+  to that stream. Never with TLS (the socket is not encrypted), nor when
+  either end turned bulk sockets off (``bulk_channel``).
+- Once bound, a frame with ``BULK_MIN`` bytes of buffers or more, either
+  way, travels in two parts: its envelope and payload in the stream, in the
+  stream's order, with ``bulk`` set to a transfer id; its buffers on the bulk
+  socket, behind a header of the id and the sizes (``Channel.send`` queues
+  both under one lock, so transfers go in the order of their frames). One
+  thread per end writes (``rrpc-bulk-send``), one reads each transfer into
+  buffers allocated for it (``rrpc-bulk-recv``); the stream's frame reader
+  takes them when it reaches the frame (``Channel.claim``), and the tensors
+  are built over them, with no copy.
+- The socket belongs to its stream: when either ends, the other is ended
+  too, and the calls on them fail as on a broken stream. A claim waits while
+  bytes arrive; if none arrive for ``peer_timeout`` (a frozen peer), it fails.
+
+Rules:
+- A transfer's sizes are checked against ``max_message_size`` before
+  anything is allocated, and must be the frame's (``ProtocolError``
+  otherwise: the stream ends).
+- Transfers read and not yet claimed hold at most ``BACKLOG`` bytes (one
+  larger transfer alone may exceed it): past it, the reader stops reading
+  and TCP pushes back on the sender. Claims come in the order the transfers
+  were queued, so the oldest one held is always the next one wanted: the
+  bound cannot deadlock.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from rrpc import auth, logs, wire
+from rrpc.lane_io import (
+    ACCEPTED,
+    HANDSHAKE_TIMEOUT,
+    IOV_MAX,
+    REFUSED,
+    advance,
+    open_as_callee,
+    open_as_caller,
+    recv_exactly,
+    shut,
+)
+from rrpc.messages import AuthenticationError, ProtocolError
+
+BULK_MIN = 1 << 20  # a frame whose stream buffers sum to this many bytes uses the bulk socket
+BACKLOG = 256 << 20  # bytes of transfers read and not yet claimed, at most (see the rules)
+MAGIC = b"rrpcblk1"
+KEY_METADATA = "rrpc-bulk-key"  # the stream's key, in hex, in its gRPC metadata
+KEY_SIZE = 16
+FIND_WAIT = 5.0  # seconds a dialer's stream has to reach the callee (it dials at once)
+# One transfer on the socket: its id, its count of buffers, then each size;
+# then the buffers' bytes, in order.
+_TRANSFER = struct.Struct("<QI")
+_SIZE = struct.Struct("<Q")
+_RECV_SLICE = 4 << 20  # bytes per recv_into, so that a claim sees progress
+
+
+def new_key() -> bytes:
+    return os.urandom(KEY_SIZE)
+
+
+def where(host: str, port: int) -> str:
+    """A listener's address, as its proofs cover it."""
+    return f"bulk:{host}:{port}"
+
+
+class Channel:
+    """One end of a stream's bulk socket (either end): transfers out, transfers in.
+
+    Unbound until ``bind(sock)``; until then ``send`` leaves every frame
+    whole, in the stream. ``on_broken(error)`` is told once if the socket
+    fails while bound (the stream's owner ends the stream). At the caller's
+    end, ``dial()`` returns the socket: it runs once, on a thread of its own,
+    at the first large frame either way. ``threads`` names the threads, its
+    ``{}`` the role.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        threads: str,
+        max_message_size: int,
+        peer_timeout: float,
+        on_broken: Callable[[BaseException], None] | None = None,
+        dial: Callable[[], socket.socket] | None = None,
+    ):
+        self.name = name  # the peer, for errors
+        self._threads = threads
+        self._dial = dial
+        self._max_message_size = max_message_size
+        self._peer_timeout = peer_timeout
+        self._on_broken = on_broken
+        self._sock: socket.socket | None = None
+        self.bound = False
+        self.error: BaseException | None = None
+        self._ids = itertools.count(1)
+        self._order = threading.Lock()  # a frame and its transfer are queued together
+        self._lock = threading.Condition(threading.Lock())
+        self._outgoing: collections.deque[tuple[int, list[Any]]] = collections.deque()
+        self._arrived: dict[int, list[np.ndarray]] = {}
+        self._held = 0  # bytes in _arrived
+        self._progress = time.monotonic()  # when the reader last got bytes
+
+    # -- Sending --------------------------------------------------------------
+    def send(self, pieces: list[Any], put: Callable[[list[Any]], None]) -> bool:
+        """Put a frame on the stream with ``put``: its buffers on this socket
+        (and the frame marked so) when it is bound and they are large. Whether
+        they went here."""
+        if len(pieces) < 2 or sum(len(buffer) for buffer in pieces[1:]) < BULK_MIN:
+            put(pieces)
+            return False
+        if not self.bound:
+            put(pieces)
+            self.want()
+            return False
+        buffers = pieces[1:]
+        with self._order:
+            transfer = next(self._ids)
+            with self._lock:
+                if self.error is not None:  # broken meanwhile: the stream is ending too
+                    put(pieces)
+                    return False
+                self._outgoing.append((transfer, buffers))
+                self._lock.notify_all()
+            put([wire.with_bulk(pieces[0], transfer)])
+        return True
+
+    def _write(self) -> None:
+        sock = self._sock
+        assert sock is not None
+        while True:
+            with self._lock:
+                self._lock.wait_for(lambda: self._outgoing or self.error is not None)
+                if self.error is not None:
+                    return
+                transfer, buffers = self._outgoing.popleft()
+            header = _TRANSFER.pack(transfer, len(buffers)) + b"".join(
+                _SIZE.pack(len(buffer)) for buffer in buffers
+            )
+            pieces: list[Any] = [header, *buffers]
+            del buffers
+            try:
+                while pieces:
+                    sent = sock.sendmsg(pieces[:IOV_MAX])
+                    pieces = advance(pieces, sent)
+            except OSError as exc:
+                self._break(ProtocolError(f"bulk socket to {self.name} failed: {exc}"))
+                return
+
+    # -- Receiving ------------------------------------------------------------
+    def claim(self, transfer: int, sizes: list[int]) -> list[np.ndarray]:
+        """The buffers of ``transfer``, once they are in; ``sizes`` are what its
+        frame announced. Raises ProtocolError if the socket broke, the sizes
+        differ, or no byte came for ``peer_timeout`` seconds."""
+        unbound_until = time.monotonic() + HANDSHAKE_TIMEOUT
+        with self._lock:
+            while transfer not in self._arrived:
+                if self.error is not None:
+                    raise ProtocolError(f"bulk socket from {self.name} ended: {self.error}")
+                now = time.monotonic()
+                if not self.bound:  # the peer binds its end first: ours is being bound
+                    if now > unbound_until:
+                        raise ProtocolError(f"a bulk frame from {self.name}, and no bulk socket")
+                elif now - self._progress > self._peer_timeout:
+                    error = ProtocolError(
+                        f"bulk bytes from {self.name} stopped for {self._peer_timeout:g} s"
+                    )
+                    self._break_locked(error)
+                    raise error
+                self._lock.wait(min(1.0, self._peer_timeout / 4))
+            buffers = self._arrived.pop(transfer)
+            self._held -= sum(len(buffer) for buffer in buffers)
+            self._lock.notify_all()
+        if [len(buffer) for buffer in buffers] != sizes:
+            raise ProtocolError(
+                f"bulk transfer {transfer} from {self.name} has buffers of "
+                f"{[len(b) for b in buffers]} bytes, its frame announced {sizes}"
+            )
+        return buffers
+
+    def _read(self) -> None:
+        sock = self._sock
+        assert sock is not None
+        head = bytearray(_TRANSFER.size)
+        try:
+            while True:
+                if not self._fill(sock, memoryview(head), eof_ok=True):
+                    self._break(ProtocolError(f"bulk socket closed by {self.name}"))
+                    return
+                transfer, count = _TRANSFER.unpack(head)
+                if count > wire.MAX_BUFFERS:
+                    raise ProtocolError(f"bulk transfer of {count} buffers")
+                sizes_bytes = bytearray(_SIZE.size * count)
+                self._fill(sock, memoryview(sizes_bytes))
+                sizes = [size for (size,) in _SIZE.iter_unpack(sizes_bytes)]
+                total = sum(sizes)
+                if self._max_message_size and total > self._max_message_size:
+                    raise ProtocolError(
+                        f"bulk transfer of {total} bytes exceeds "
+                        f"max_message_size={self._max_message_size}"
+                    )
+                with self._lock:  # room for it (see the rules)
+                    while self._arrived and self._held + total > BACKLOG and self.error is None:
+                        self._lock.wait()
+                    if self.error is not None:
+                        return
+                buffers = [np.empty(size, dtype=np.uint8) for size in sizes]
+                for buffer in buffers:
+                    self._fill(sock, memoryview(buffer))  # type: ignore[arg-type]
+                with self._lock:
+                    self._arrived[transfer] = buffers
+                    self._held += total
+                    self._lock.notify_all()
+        except (OSError, ProtocolError) as exc:
+            self._break(exc if isinstance(exc, ProtocolError) else ProtocolError(str(exc)))
+
+    def _fill(self, sock: socket.socket, view: memoryview, eof_ok: bool = False) -> bool:
+        """Fill ``view`` from the socket; False at a clean end before its first byte."""
+        got = 0
+        while got < len(view):
+            read = sock.recv_into(view[got : got + _RECV_SLICE])
+            if read == 0:
+                if eof_ok and got == 0:
+                    return False
+                raise ProtocolError(f"bulk socket from {self.name} ended mid-transfer")
+            got += read
+            self._progress = time.monotonic()
+        return True
+
+    def watching(self, on_frame: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """``on_frame``, which also wants the socket at the first large frame received."""
+
+        def watched(frame: Any) -> Any:
+            if not self.bound and frame.buffers and frame.tensor_bytes() >= BULK_MIN:
+                self.want()
+            return on_frame(frame)
+
+        return watched
+
+    # -- Life -----------------------------------------------------------------
+    def want(self) -> None:
+        """Dial the socket (once, in the background), if this end dials."""
+        dial, self._dial = self._dial, None
+        if dial is None:
+            return
+
+        def dialing() -> None:
+            try:
+                sock = dial()
+            except (OSError, AuthenticationError) as exc:
+                logs.event("bulk-dial", self.name, "no bulk socket to %s: %s", self.name, exc)
+                self.fail(exc)
+                return
+            if not self.bind(sock):
+                sock.close()
+
+        threading.Thread(target=dialing, name=self._threads.format("dial"), daemon=True).start()
+
+    def bind(self, sock: socket.socket) -> bool:
+        """Carry this stream's bulk transfers on ``sock`` (blocking, connected
+        and proven); False if the channel has ended or is bound already."""
+        with self._lock:
+            if self.bound or self.error is not None:
+                return False
+            sock.setblocking(True)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._sock, self.bound = sock, True
+            self._progress = time.monotonic()
+            self._lock.notify_all()
+        for target, role in ((self._read, "recv"), (self._write, "send")):
+            threading.Thread(target=target, name=self._threads.format(role), daemon=True).start()
+        return True
+
+    def _break(self, error: BaseException) -> None:
+        with self._lock:
+            first = self._break_locked(error)
+        if first and self._on_broken is not None:
+            self._on_broken(error)
+
+    def _break_locked(self, error: BaseException) -> bool:
+        if self.error is not None:
+            return False
+        self.error = error
+        self._arrived.clear()
+        self._held = 0
+        self._outgoing.clear()
+        self._lock.notify_all()
+        if self._sock is not None:
+            shut(self._sock)
+        return True
+
+    def fail(self, error: BaseException) -> None:
+        """It could not be bound (its dial failed): frames stay whole, and a
+        bulk frame from the peer ends the stream."""
+        with self._lock:
+            if not self.bound:
+                self._break_locked(error)
+
+    def close(self) -> None:
+        """The stream ended: end the socket (quietly) and free what it holds."""
+        with self._lock:
+            self._break_locked(ProtocolError(f"stream to {self.name} ended"))
+            sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+
+
+class Listener:
+    """This worker's bulk port: proves each dialer, then binds its socket to
+    the stream it names (``find(key)``: the ``Channel`` of a stream this
+    worker serves, or None)."""
+
+    def __init__(
+        self,
+        host: str,
+        rank: int,
+        token: auth.Token | None,
+        find: Callable[[int, bytes], Channel | None],
+    ):
+        self._rank = rank
+        self._token = token
+        self._find = find
+        family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+        self._sock = socket.socket(family, socket.SOCK_STREAM)
+        self._sock.bind((host.strip("[]"), 0))
+        self._sock.listen(128)
+        self.port: int = self._sock.getsockname()[1]
+        self.where = where(host, self.port)
+        self._stopped = False
+        self._thread = threading.Thread(
+            target=self._accept, name=f"rrpc-bulk-accept-{rank}", daemon=True
+        )
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._stopped:
+            try:
+                sock, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(
+                target=self._open, args=(sock,), name=f"rrpc-bulk-open-{self._rank}", daemon=True
+            ).start()
+
+    def _open(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        try:
+            caller = open_as_callee(sock, MAGIC, self._rank, self.where, self._token)
+            key = recv_exactly(sock, KEY_SIZE, int(HANDSHAKE_TIMEOUT * 1000))
+            channel = self._find(caller, key)
+            sock.setblocking(True)
+            if channel is None:
+                sock.sendall(REFUSED)
+                raise AuthenticationError(f"rank {caller} named no stream it has open here")
+            sock.sendall(ACCEPTED)
+        except (AuthenticationError, OSError, ConnectionError, struct.error) as exc:
+            logs.event("bulk-refused", "bulk", "%s: bulk socket refused: %s", self._rank, exc)
+            shut(sock)
+            sock.close()
+            return
+        if not channel.bind(sock):
+            shut(sock)
+            sock.close()
+
+    def stop(self) -> None:
+        self._stopped = True
+        shut(self._sock)
+        self._sock.close()
+
+
+def dial(
+    host: str,
+    port: int,
+    ranks: tuple[int, int],
+    token: auth.Token | None,
+    key: bytes,
+    timeout: float = HANDSHAKE_TIMEOUT,
+) -> socket.socket:
+    """Dial a peer's bulk port, prove each other the token, name the stream
+    (``key``); the socket, bound to it on the other end. Raises
+    AuthenticationError or OSError."""
+    sock = socket.create_connection((host.strip("[]"), port), timeout=timeout)
+    try:
+        start = time.monotonic()
+        open_as_caller(sock, MAGIC, ranks, where(host, port), token, timeout)
+        sock.setblocking(True)
+        sock.settimeout(max(0.1, timeout - (time.monotonic() - start)))
+        sock.sendall(key)
+        if sock.recv(1) != ACCEPTED:
+            raise AuthenticationError(f"rank {ranks[1]}'s bulk port refused the stream")
+        sock.settimeout(None)
+        return sock
+    except BaseException:
+        sock.close()
+        raise
+
+
+__all__ = ["BULK_MIN", "KEY_METADATA", "Channel", "Listener", "dial", "new_key"]

@@ -1,0 +1,368 @@
+"""The bulk socket beside a gRPC stream (rrpc/bulk.py): large tensor buffers
+sent from and received into the tensors' memory.
+
+Without processes: two ``Channel`` ends over a TCP socket, the frame reader
+claiming a transfer, the opening exchange (token, stream key). With worker
+processes: tensors echo exactly over it, between two network namespaces as on
+one host with the lane off; switched off it is not dialed; a bulk socket that
+breaks mid-call fails that call naming the peer, and the next call works.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import rrpc
+from harness import mp_context, run_workers
+from rrpc import auth, bulk, wire
+from rrpc._proto.rrpc_pb2 import Envelope
+from rrpc.agent import current_agent
+from rrpc.messages import AuthenticationError, ProtocolError
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import netns  # noqa: E402 -- benchmarks/netns.py
+
+pytestmark = pytest.mark.timeout(120)
+
+MiB = 1 << 20
+
+
+# -- Two ends of one socket, without processes -------------------------------------
+def _tcp_pair() -> tuple[socket.socket, socket.socket]:
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        dialed = socket.create_connection(server.getsockname())
+        accepted, _ = server.accept()
+    return dialed, accepted
+
+
+class _Ends:
+    """Two bound channels; what each puts on its stream, and their breaks."""
+
+    def __init__(self, max_message_size: int = 0, peer_timeout: float = 8.0):
+        self.broken: list[BaseException] = []
+        self.a = bulk.Channel("A", "test-a-{}", max_message_size, peer_timeout, self.broken.append)
+        self.b = bulk.Channel("B", "test-b-{}", max_message_size, peer_timeout, self.broken.append)
+        self.socks = _tcp_pair()
+        assert self.a.bind(self.socks[0]) and self.b.bind(self.socks[1])
+        self.stream: list[list] = []  # the frames put on "the stream", in order
+
+    def close(self) -> None:
+        self.a.close()
+        self.b.close()
+
+
+def _frame(*buffers: np.ndarray, request_id: int = 1) -> list:
+    head = Envelope(
+        kind=1, request_id=request_id, payload_size=3, buffer_sizes=[len(b) for b in buffers]
+    ).SerializeToString()
+    return [wire.HEADER.pack(len(head)) + head + b"pay", *(memoryview(b) for b in buffers)]
+
+
+def _envelope(first: bytes) -> Envelope:
+    (size,) = wire.HEADER.unpack_from(first)
+    envelope = Envelope()
+    envelope.ParseFromString(first[wire.HEADER.size : wire.HEADER.size + size])
+    return envelope
+
+
+def _random(size: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+
+
+def test_large_buffers_cross_the_socket_exactly_and_the_frame_keeps_its_payload():
+    ends = _Ends()
+    try:
+        big, small = _random(3 * MiB + 5, 1), _random(17, 2)
+        assert ends.a.send(_frame(big, small), ends.stream.append) is True
+        (first,) = ends.stream[0]  # only the envelope and payload stay in the stream
+        envelope = _envelope(first)
+        assert envelope.bulk != 0 and list(envelope.buffer_sizes) == [len(big), len(small)]
+        assert first.endswith(b"pay")
+        got = ends.b.claim(envelope.bulk, [len(big), len(small)])
+        assert np.array_equal(got[0], big) and np.array_equal(got[1], small)
+        # And back, the other way on the same socket.
+        assert ends.b.send(_frame(got[0]), ends.stream.append) is True
+        back = ends.a.claim(_envelope(ends.stream[1][0]).bulk, [len(big)])
+        assert np.array_equal(back[0], big)
+    finally:
+        ends.close()
+
+
+def test_small_frames_stay_whole_in_the_stream():
+    ends = _Ends()
+    try:
+        frame = _frame(_random(bulk.BULK_MIN - 1, 3))
+        assert ends.a.send(frame, ends.stream.append) is False
+        assert ends.stream == [frame]
+        assert ends.a.send([b"no buffers"], ends.stream.append) is False
+    finally:
+        ends.close()
+
+
+def test_transfers_claimed_in_any_order_are_each_their_own():
+    ends = _Ends()
+    try:
+        sent = [_random(MiB + i, i) for i in range(4)]
+        for i, buffer in enumerate(sent):
+            ends.a.send(_frame(buffer, request_id=i + 1), ends.stream.append)
+        ids = [_envelope(frame[0]).bulk for frame in ends.stream]
+        assert len(set(ids)) == 4
+        for i in (2, 0, 3, 1):
+            assert np.array_equal(ends.b.claim(ids[i], [len(sent[i])])[0], sent[i])
+    finally:
+        ends.close()
+
+
+def test_a_claim_whose_sizes_differ_from_the_transfer_is_a_protocol_error():
+    ends = _Ends()
+    try:
+        ends.a.send(_frame(_random(MiB, 4)), ends.stream.append)
+        with pytest.raises(ProtocolError, match="announced"):
+            ends.b.claim(_envelope(ends.stream[0][0]).bulk, [MiB + 1])
+    finally:
+        ends.close()
+
+
+def test_a_transfer_over_max_message_size_breaks_the_socket_before_it_is_allocated():
+    ends = _Ends(max_message_size=2 * MiB)
+    try:
+        ends.a.send(_frame(_random(3 * MiB, 5)), ends.stream.append)
+        with pytest.raises(ProtocolError, match="max_message_size"):
+            ends.b.claim(_envelope(ends.stream[0][0]).bulk, [3 * MiB])
+        assert any("max_message_size" in str(error) for error in ends.broken)
+    finally:
+        ends.close()
+
+
+def test_a_peer_that_closes_mid_transfer_fails_the_claim_and_reports_the_break():
+    broken: list[BaseException] = []
+    channel = bulk.Channel("peer", "test-{}", 0, 8.0, broken.append)
+    ours, theirs = _tcp_pair()
+    assert channel.bind(ours)
+    try:
+        # A header announcing 1 MiB, then half of it, then the peer is gone.
+        theirs.sendall(bulk._TRANSFER.pack(7, 1) + bulk._SIZE.pack(MiB) + bytes(MiB // 2))
+        theirs.close()
+        with pytest.raises(ProtocolError, match="ended"):
+            channel.claim(7, [MiB])
+        assert len(broken) == 1 and "mid-transfer" in str(broken[0])
+    finally:
+        channel.close()
+
+
+def test_a_claim_fails_when_no_byte_comes_for_peer_timeout():
+    broken: list[BaseException] = []
+    channel = bulk.Channel("frozen", "test-{}", 0, 1.0, broken.append)
+    ours, theirs = _tcp_pair()
+    assert channel.bind(ours)
+    try:
+        theirs.sendall(bulk._TRANSFER.pack(9, 1) + bulk._SIZE.pack(MiB) + bytes(1000))
+        with pytest.raises(ProtocolError, match="stopped for 1 s"):
+            channel.claim(9, [MiB])  # the rest never comes: the peer froze
+    finally:
+        channel.close()
+        theirs.close()
+
+
+def test_a_dialer_whose_dial_failed_sends_whole_frames_and_refuses_bulk_frames():
+    channel = bulk.Channel("peer", "test-{}", 0, 8.0, dial=lambda: (_ for _ in ()).throw(OSError))
+    stream: list[list] = []
+    frame = _frame(_random(2 * MiB, 6))
+    assert channel.send(frame, stream.append) is False  # and it dials, in the background
+    assert stream == [frame]
+    with pytest.raises(ProtocolError):
+        channel.claim(1, [2 * MiB])
+
+
+def test_the_frame_reader_takes_a_bulk_frames_buffers_from_its_claim():
+    claimed: list[tuple[int, list[int]]] = []
+    buffer = _random(MiB, 7)
+
+    def claim(transfer: int, sizes: list[int]) -> list[np.ndarray]:
+        claimed.append((transfer, sizes))
+        return [buffer]
+
+    first = wire.with_bulk(_frame(buffer)[0], 42)
+    for cut in (len(first), 5):  # whole in one packet, and cut anywhere
+        reader = wire.FrameReader(0, claim=claim)
+        frames = [f for i in range(0, len(first), cut) for f in reader.feed(first[i : i + cut])]
+        assert len(frames) == 1 and bytes(frames[0].payload) == b"pay"
+        assert frames[0].buffers[0] is buffer
+    assert claimed == [(42, [MiB]), (42, [MiB])]
+    with pytest.raises(ProtocolError, match="without a bulk socket"):
+        wire.FrameReader(0).feed(first)
+
+
+# -- The opening exchange ------------------------------------------------------------
+def _listener(token: auth.Token | None, streams: dict[bytes, bulk.Channel]) -> bulk.Listener:
+    return bulk.Listener("127.0.0.1", 1, token, lambda rank, key: streams.get(key))
+
+
+def test_a_dialer_with_the_token_and_the_streams_key_is_bound(monkeypatch):
+    key = bulk.new_key()
+    served = bulk.Channel("rank 0", "test-served-{}", 0, 8.0)
+    listener = _listener(auth.Token("s3cret"), {key: served})
+    try:
+        sock = bulk.dial("127.0.0.1", listener.port, (0, 1), auth.Token("s3cret"), key)
+        dialer = bulk.Channel("worker1", "test-dialer-{}", 0, 8.0)
+        assert dialer.bind(sock)
+        stream: list[list] = []
+        buffer = _random(2 * MiB, 8)
+        dialer.send(_frame(buffer), stream.append)
+        got = served.claim(_envelope(stream[0][0]).bulk, [2 * MiB])
+        assert np.array_equal(got[0], buffer)
+        dialer.close()
+    finally:
+        served.close()
+        listener.stop()
+
+
+@pytest.mark.parametrize("case", ["wrong token", "no token", "unknown stream", "wrong rank"])
+def test_a_dialer_that_cannot_prove_itself_or_names_no_stream_is_refused(monkeypatch, case):
+    monkeypatch.setattr(bulk, "FIND_WAIT", 0.1)
+    key = bulk.new_key()
+    served = bulk.Channel("rank 0", "test-served-{}", 0, 8.0)
+    listener = _listener(auth.Token("s3cret"), {key: served})
+    token, name, ranks = auth.Token("s3cret"), key, (0, 1)
+    if case == "wrong token":
+        token = auth.Token("guess")
+    elif case == "no token":
+        token = None
+    elif case == "unknown stream":
+        name = bulk.new_key()
+    else:
+        ranks = (0, 2)  # the listener is rank 1
+    try:
+        with pytest.raises((AuthenticationError, OSError)):
+            bulk.dial("127.0.0.1", listener.port, ranks, token, name, timeout=5)
+        assert not served.bound
+    finally:
+        served.close()
+        listener.stop()
+
+
+# -- Workers -------------------------------------------------------------------------
+# Two workers of one host with the lane and shared memory off: their large
+# tensors go over the bulk socket, as between two hosts.
+GRPC_ONLY = {"RRPC_LANE": "0", "RRPC_SHM": "0"}
+
+
+def _echo(value):
+    return value
+
+
+def _bulk_threads() -> list[str]:
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("rrpc-bulk-"))
+
+
+def _echoes(rank, world_size):
+    if rank != 0:
+        return None
+    generator = torch.Generator().manual_seed(3)
+    sent = [
+        torch.randn(2 * MiB // 4, generator=generator),  # over the socket
+        torch.randint(0, 1000, (3, MiB // 8), generator=generator),  # int64, 2-D
+        torch.randn(100, generator=generator),  # small: in the stream
+    ]
+    results = [torch.equal(rrpc.rpc_sync("worker1", _echo, args=(t,)), t) for t in sent]
+    together = rrpc.rpc_sync("worker1", _echo, args=(sent,))  # one frame, three buffers
+    results.append(all(torch.equal(a, b) for a, b in zip(together, sent, strict=True)))
+    futures = [rrpc.rpc_async("worker1", torch.add, args=(sent[0], i)) for i in range(4)]
+    results.append(all(torch.equal(f.wait(), sent[0] + i) for i, f in enumerate(futures)))
+    return results, _bulk_threads()
+
+
+def test_large_tensors_echo_exactly_over_the_bulk_socket():
+    results, threads = run_workers(_echoes, env=GRPC_ONLY)[0]
+    assert all(results), results
+    assert "rrpc-bulk-recv-worker1" in threads and "rrpc-bulk-send-worker1" in threads
+
+
+@pytest.mark.parametrize("how", ["env", "option", "tensorpipe_channels"])
+def test_a_bulk_socket_switched_off_is_never_dialed(how):
+    env, options = dict(GRPC_ONLY), None
+    if how == "env":
+        env["RRPC_BULK"] = "0"
+    elif how == "option":
+        options = rrpc.RpcBackendOptions(bulk_channel=False)
+    else:
+        options = rrpc.TensorPipeRpcBackendOptions(_channels=["basic"])
+    results, threads = run_workers(_echoes, env=env, backend_options=options)[0]
+    assert all(results), results
+    assert threads == []
+
+
+_release = []  # worker1's copy of the test's release Event
+
+
+def _echo_after_release(value):
+    _release[0].wait(30)
+    return value
+
+
+def _break_mid_call(rank, world_size, release):
+    _release.append(release)
+    if rank != 0:
+        return None
+    big = torch.randn(2 * MiB // 4)
+    assert torch.equal(rrpc.rpc_sync("worker1", _echo, args=(big,)), big)  # opens the socket
+    pending = rrpc.rpc_async("worker1", _echo_after_release, args=(big,))
+    agent = current_agent()
+    connection = agent.routes._connections[agent.worker_info("worker1").id]
+    connection._bulk._sock.shutdown(socket.SHUT_RDWR)  # the socket breaks under the call
+    try:
+        pending.wait()
+        error = None
+    except rrpc.PeerUnavailableError as exc:
+        error = str(exc)
+    release.set()
+    after = rrpc.rpc_sync("worker1", _echo, args=(big,))
+    return error, torch.equal(after, big)
+
+
+def test_a_bulk_socket_that_breaks_mid_call_fails_that_call_naming_the_peer_and_the_next_works():
+    error, echoed = run_workers(_break_mid_call, args=(mp_context.Event(),), env=GRPC_ONLY)[0]
+    assert error is not None and "worker1" in error and "bulk" in error
+    assert echoed
+
+
+def _across_hosts(rank, world_size, pair, results):
+    host = pair.b if rank == 1 else pair.a
+    netns.enter(host.netns)  # before any socket is opened
+    os.environ.update(MASTER_ADDR=pair.a.address, RRPC_ADVERTISE_HOST=host.address)
+    rrpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size)
+    if rank == 0:
+        big = torch.randn(4 * MiB // 4)
+        echoed = [torch.equal(rrpc.rpc_sync("worker1", _echo, args=(big,)), big) for _ in range(3)]
+        results.put((echoed, _bulk_threads()))
+    rrpc.shutdown()
+
+
+@pytest.mark.skipif(netns.unavailable() is not None, reason=str(netns.unavailable()))
+def test_two_hosts_carry_large_tensors_over_the_bulk_socket():
+    results = mp_context.Queue()
+    with netns.VethPair.create() as pair:
+        before = sum(pair.link_bytes())
+        run_workers(
+            _across_hosts,
+            args=(pair, results),
+            init=False,
+            timeout=90,
+            # /dev/shm is shared across network namespaces: off, as between two machines.
+            env={"RRPC_LANE": "1", "RRPC_SHM": "0"},
+        )
+        crossed = sum(pair.link_bytes()) - before
+    echoed, threads = results.get(timeout=5)
+    assert echoed == [True, True, True]
+    assert "rrpc-bulk-recv-worker1" in threads
+    assert crossed >= 6 * 4 * MiB  # three round trips of 4 MiB crossed the link
