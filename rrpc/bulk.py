@@ -111,8 +111,12 @@ class Channel:
         peer_timeout: float,
         on_broken: Callable[[BaseException], None] | None = None,
         dial: Callable[[], socket.socket] | None = None,
+        backlog: Any = None,
     ):
+        """``backlog``: the stream's ``streams.Outbox`` whose bound of bytes
+        waiting to go counts the transfers queued here too (the callee's)."""
         self.name = name  # the peer, for errors
+        self._backlog = backlog
         self._threads = threads
         self._dial = dial
         self._max_message_size = max_message_size
@@ -150,6 +154,8 @@ class Channel:
                     return False
                 self._outgoing.append((transfer, buffers))
                 self._lock.notify_all()
+            if self._backlog is not None:
+                self._backlog.hold(sum(len(buffer) for buffer in buffers))
             put([wire.with_bulk(pieces[0], transfer)])
         return True
 
@@ -166,6 +172,7 @@ class Channel:
                 _SIZE.pack(len(buffer)) for buffer in buffers
             )
             pieces: list[Any] = [header, *buffers]
+            size = sum(len(buffer) for buffer in buffers)
             del buffers
             try:
                 while pieces:
@@ -174,6 +181,9 @@ class Channel:
             except OSError as exc:
                 self._break(ProtocolError(f"bulk socket to {self.name} failed: {exc}"))
                 return
+            finally:
+                if self._backlog is not None:
+                    self._backlog.release(size)
 
     # -- Receiving ------------------------------------------------------------
     def claim(self, transfer: int, sizes: list[int]) -> list[np.ndarray]:

@@ -340,6 +340,17 @@ class Outbox:
                 room.wait()
             return self.stream.state is not CLOSED
 
+    def hold(self, size: int) -> None:
+        """``size`` bytes of a frame wait to go elsewhere (its buffers on a
+        bulk socket): they count in ``backlog`` until ``release``."""
+        if self._room is not None:
+            with self._room:
+                self.backlog += size
+
+    def release(self, size: int) -> None:
+        if self._room is not None:
+            self._sent_bytes(size)
+
     def _sent_bytes(self, size: int) -> None:
         assert self._room is not None
         with self._room:

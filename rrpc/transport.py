@@ -392,7 +392,7 @@ class Server:
             stream.move(START)
         outbox = Outbox(self._packet_size, *self._batching, track_backlog=True, stream=stream)
         in_flight = self.admission.of(peer_rank)
-        channel, key = self._bulk_channel(metadata, peer_rank, context)
+        channel, key = self._bulk_channel(metadata, peer_rank, context, outbox)
 
         def stream_over() -> None:
             stream.move(END)
@@ -443,7 +443,11 @@ class Server:
             self._outboxes.discard(outbox)
 
     def _bulk_channel(
-        self, metadata: dict[str, Any], peer_rank: int, context: grpc.ServicerContext
+        self,
+        metadata: dict[str, Any],
+        peer_rank: int,
+        context: grpc.ServicerContext,
+        outbox: Outbox,
     ) -> tuple[bulk.Channel | None, bytes]:
         """The bulk end of a stream whose caller may dial one (its key in the
         metadata), registered for ``bulk.Listener`` to bind; (None, b"") if not."""
@@ -461,6 +465,7 @@ class Server:
             self._max_message_size,
             self._peer_timeout,
             on_broken=lambda error: context.cancel(),
+            backlog=outbox,
         )
         with self._bulk_changed:
             self._bulk_streams[key] = (peer_rank, channel)

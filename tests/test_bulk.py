@@ -22,7 +22,7 @@ import torch
 
 import rrpc
 from harness import mp_context, run_workers
-from rrpc import auth, bulk, wire
+from rrpc import auth, bulk, streams, wire
 from rrpc._proto.rrpc_pb2 import Envelope
 from rrpc.agent import current_agent
 from rrpc.messages import AuthenticationError, ProtocolError
@@ -98,6 +98,29 @@ def test_large_buffers_cross_the_socket_exactly_and_the_frame_keeps_its_payload(
         ends.close()
 
 
+def test_transfers_waiting_to_go_count_in_the_streams_reply_backlog():
+    """A callee's replies waiting unsent are bounded (streams.REPLY_BACKLOG),
+    their bulk bytes too: the stream's outbox counts them until written."""
+    outbox = streams.Outbox(1 << 20, track_backlog=True)
+    served = bulk.Channel("rank 0", "test-served-{}", 0, 8.0, backlog=outbox)
+    dialer = bulk.Channel("worker1", "test-dialer-{}", 0, 8.0)
+    socks = _tcp_pair()
+    assert served.bind(socks[1]) and dialer.bind(socks[0])
+    try:
+        big = _random(32 * MiB, 9)
+        with outbox._room:  # nothing is written before this looks
+            served.send(_frame(big), outbox.put)
+            assert outbox.backlog > len(big)
+        (first,) = outbox.queue.get_nowait()
+        got = dialer.claim(_envelope(first).bulk, [len(big)])
+        assert np.array_equal(got[0], big)
+        with outbox._room:
+            assert outbox._room.wait_for(lambda: outbox.backlog == len(first), timeout=10)
+    finally:
+        served.close()
+        dialer.close()
+
+
 def test_small_frames_stay_whole_in_the_stream():
     ends = _Ends()
     try:
@@ -156,6 +179,28 @@ def test_a_peer_that_closes_mid_transfer_fails_the_claim_and_reports_the_break()
         with pytest.raises(ProtocolError, match="ended"):
             channel.claim(7, [MiB])
         assert len(broken) == 1 and "mid-transfer" in str(broken[0])
+    finally:
+        channel.close()
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_garbage_on_the_socket_breaks_it_with_a_clear_error_and_allocates_nothing_huge(seed):
+    """Random headers (counts, sizes) from a peer: refused by the limits, or
+    read as a transfer no frame names; never a crash, never a huge allocation."""
+    rng = np.random.default_rng(seed)
+    broken: list[BaseException] = []
+    channel = bulk.Channel("fuzzer", "test-{}", 64 * MiB, 8.0, broken.append)
+    ours, theirs = _tcp_pair()
+    assert channel.bind(ours)
+    try:
+        count = int(rng.integers(0, 1 << 32))
+        sizes = rng.integers(0, 1 << 63, size=min(count, 4), dtype=np.uint64)
+        theirs.sendall(bulk._TRANSFER.pack(1, count) + sizes.tobytes() + rng.bytes(4096))
+        theirs.close()
+        with pytest.raises(ProtocolError):
+            channel.claim(1, [0])
+        assert len(broken) == 1
+        assert "buffers" in str(broken[0]) or "max_message_size" in str(broken[0])
     finally:
         channel.close()
 
