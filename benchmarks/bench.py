@@ -22,7 +22,8 @@ The workloads. `noop_sync` (latency of an empty call), `async_64` (64 calls in
 flight), `threads_64` (64 threads calling), `echo_*` (a tensor there and back,
 the same tensor every call, each result dropped), `echo_fresh_*` (a new tensor
 every call, the last 4 results kept alive: what a real loop does, and no
-buffer of one call can serve the next), `veth_echo_*` (below), `remote_to_here`,
+buffer of one call can serve the next), `veth_noop_sync` and `veth_echo_*`
+(below), `remote_to_here`,
 `dist_autograd` (a step of distributed autograd and DistributedOptimizer),
 `param_server` (two trainers, one server), `rl_steps` (examples/rl_agents: an
 agent and two observers playing CartPole, seeded, so both frameworks play the
@@ -40,8 +41,9 @@ read "n/a (needs root and ip netns)".
 
 Floors. Some rows also run the same round trips on a bare transport, in the
 same interleaved repeats, as a "floor" column: how far above it each framework
-is. "grpcio" (`floor.py`, beside `noop_sync` and `echo_4k`): a bare grpcio bidi
-stream, what rrpc's gRPC path is built on. "uds" (`stream_floor.py`, the same
+is. "grpcio" (`floor.py`, beside `noop_sync` and `echo_4k`, and over the veth
+beside `veth_noop_sync`): a bare grpcio bidi stream, what rrpc's gRPC path is
+built on. "uds" (`stream_floor.py`, the same
 rows): a Unix socket on which the calling thread writes and reads its own
 reply, the floor under rrpc's same-host lane. "tcp" (`stream_floor.py`, the
 `veth_*` rows): a TCP stream over the same link, `sendall` and `recv_into` a
@@ -522,7 +524,14 @@ TCP_FLOOR = Floor(
     veth_port,
     "on a bare TCP stream over the same veth link, sendall and recv_into (stream_floor.py)",
 )
-ALL_FLOORS = (GRPCIO_FLOOR, UDS_FLOOR, TCP_FLOOR)
+GRPCIO_VETH_FLOOR = Floor(
+    "grpcio floor",
+    floor.serve,
+    floor.round_trips,
+    veth_port,
+    "the same round trip on a bare grpcio bidi stream (floor.py)",
+)
+ALL_FLOORS = (GRPCIO_FLOOR, UDS_FLOOR, TCP_FLOOR, GRPCIO_VETH_FLOOR)
 
 
 @dataclass(frozen=True)
@@ -585,6 +594,16 @@ WORKLOADS = [
     _echo("echo_fresh_1m", 100, 40, fresh=True),
     _echo("echo_fresh_16m", 20, 8, fresh=True),
     _echo("echo_fresh_128m", 4, 2, fresh=True),
+    Workload(
+        "veth_noop_sync",
+        noop_sync,
+        2000,
+        500,
+        (Row("p50_us", "rpc_sync p50", "µs", False), Row("p99_us", "rpc_sync p99", "µs", False)),
+        veth=True,
+        floor=floor_noop,
+        floors=(GRPCIO_VETH_FLOOR,),
+    ),
     _echo("veth_echo_16m", 20, 8, veth=True),
     _echo("veth_echo_128m", 4, 2, veth=True),
     Workload(
@@ -968,7 +987,8 @@ def run_floor(workload: Workload, bare: Floor, n: int, pair: netns.VethPair | No
         return {"error": reports[0]["error"]}
     if link_before is not None:
         assert pair is not None
-        return check_link(reports[0]["metrics"], pair, link_before, workload.kwargs["nbytes"], n)
+        nbytes = workload.kwargs.get("nbytes", floor.NOOP_BYTES)
+        return check_link(reports[0]["metrics"], pair, link_before, nbytes, n)
     return reports[0]["metrics"]
 
 
@@ -1027,7 +1047,8 @@ def run_once(
     metrics = per_rank[workload.drivers[0]]["metrics"]
     if workload.veth:
         assert pair is not None
-        return check_link(metrics, pair, link_before, workload.kwargs["nbytes"], n)
+        nbytes = workload.kwargs.get("nbytes", floor.NOOP_BYTES)
+        return check_link(metrics, pair, link_before, nbytes, n)
     return metrics
 
 
@@ -1249,8 +1270,8 @@ def print_table(results: dict[str, dict], frameworks: list[str]) -> None:
         print("  ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip())
         if i == 0:
             print("  ".join("-" * w for w in widths))
-    for bare in floors_shown:
-        print(f"{bare.name}: {bare.about}")
+    for about in dict.fromkeys(f"{bare.name}: {bare.about}" for bare in floors_shown):
+        print(about)
     if floors_shown:
         print("÷ floor: time over the floor's time (1.00× = nothing above that bare transport)")
 
