@@ -37,7 +37,7 @@ WARMUP = 300
 
 def patch(marks: list) -> None:
     """Stamp (tag, ns) into ``marks`` at the entry (``>``) or exit (``<``) of rrpc's hops."""
-    from rrpc import agent, futures, wire
+    from rrpc import agent, dispatch, futures, wire
 
     def stamp(owner, name, tag, at_exit=False):
         original = getattr(owner, name)
@@ -52,12 +52,12 @@ def patch(marks: list) -> None:
 
         setattr(owner, name, stamped)
 
-    stamp(agent.Agent, "send", "send>")
-    stamp(agent.Agent, "send", "send<", at_exit=True)
-    stamp(agent.Agent, "_on_reply", "on_reply>")
-    stamp(agent.Agent, "_on_request", "on_request>")
-    stamp(agent.Agent, "_on_request", "on_request<", at_exit=True)
-    stamp(wire.FrameReader, "feed", "feed>")
+    stamp(agent.Agent, "_send", "send>")
+    stamp(agent.Agent, "_send", "send<", at_exit=True)
+    stamp(agent.Agent, "on_reply", "on_reply>")
+    stamp(dispatch.Dispatcher, "on_request", "on_request>")
+    stamp(dispatch.Dispatcher, "on_request", "on_request<", at_exit=True)
+    stamp(wire.FrameReader, "frames_in", "feed>")
     stamp(futures.SyncReply, "set_result", "set_result>")
     packets = wire.packets
 
