@@ -61,9 +61,9 @@ class Directory:
         if probe and key and advertised.get("host") == shm.host_key():
             pid, key_bytes = int(probe.split("/")[0]), bytes.fromhex(key)
             if self._attachments.can_open(probe, key_bytes):
-                peer.source = self._attachments.bind(pid, key_bytes)
+                peer.source = self._attachments.bind(pid, key_bytes, self._shm_pool)
                 if self._shm_pool is not None:
-                    peer.placer = self._shm_pool.towards(pid)
+                    peer.placer = self._shm_pool.towards(pid, self._attachments)
         lane_key = advertised.get("lane_key", "")
         if self._lane_key and lane_key == self._lane_key:
             peer.lane_path = advertised.get("lane", "")

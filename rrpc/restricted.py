@@ -57,6 +57,7 @@ import functools
 import io
 import pickle
 import pickletools
+import struct
 import sys
 import types
 from typing import Any, TypeVar
@@ -222,6 +223,33 @@ class _RestrictedUnpickler(pickle.Unpickler):
         raise RefusedGlobalError("restricted mode refuses persistent ids in a pickle")
 
 
+_PURE_UNPICKLER: Any = getattr(pickle, "_Unpickler")  # noqa: B009 -- pickle's pure-Python one
+
+
+class _PurePythonUnpickler(_PURE_UNPICKLER):
+    """pickle's pure-Python unpickler, which refuses a BYTEARRAY8 longer than
+    the whole pickle before allocating it (``loads_pure``)."""
+
+    def __init__(self, data: Any, *, buffers: Any = None):
+        super().__init__(io.BytesIO(data), buffers=buffers)
+        self._size = len(data)
+
+    def load_bytearray8(self) -> None:
+        (size,) = struct.unpack("<Q", self.read(8))
+        if size > self._size:
+            raise pickle.UnpicklingError(f"BYTEARRAY8 of {size} bytes in a pickle of {self._size}")
+        value = bytearray(size)
+        self.readinto(value)
+        self.append(value)
+
+    dispatch = {**_PURE_UNPICKLER.dispatch, pickle.BYTEARRAY8[0]: load_bytearray8}
+
+
+class _PurePythonRestrictedUnpickler(_PurePythonUnpickler):
+    find_class = _RestrictedUnpickler.find_class
+    persistent_load = _RestrictedUnpickler.persistent_load
+
+
 # A memo index a pickle may name. CPython 3.11's unpickler grows its memo to
 # twice the largest index PUT / LONG_BINPUT names and clears every slot while
 # holding the GIL: a 9-byte pickle naming index 2**28 took 8.9 s and 4 GiB
@@ -248,3 +276,13 @@ def loads(data: Any, *, buffers: Any = None) -> Any:
     """``pickle.loads`` in restricted mode: what the tables allow, or ``RefusedGlobalError``."""
     _check_memo_indices(data)
     return _RestrictedUnpickler(io.BytesIO(data), buffers=buffers).load()
+
+
+def loads_pure(data: Any, *, buffers: Any = None, restricted: bool = True) -> Any:
+    """``loads`` (or, not ``restricted``, ``pickle.loads``) by pickle's
+    pure-Python unpickler: for the payloads CPython's C unpickler mishandles
+    (``codec._may_name_an_unallocatable_bytearray``)."""
+    if not restricted:
+        return _PurePythonUnpickler(data, buffers=buffers).load()
+    _check_memo_indices(data)
+    return _PurePythonRestrictedUnpickler(data, buffers=buffers).load()

@@ -16,6 +16,19 @@ Rules:
   and x86 keeps the receiver's reads of the data ordered before its clear.
 - Slots are pre-faulted when created and reused after: new memory costs a
   page fault per 4 KiB here, which is what makes fresh buffers slow.
+- A reply that sends back (part of) a tensor the peer's slot carried here —
+  an echo, a function returning its argument or a view of it — is not copied
+  into a slot of this worker: its descriptor names the peer's own slot
+  (``returned``), and the peer copies it out into a fresh tensor when the
+  reply arrives. The slot's second byte is the peer's hold on it: set by
+  this worker before the reply leaves, cleared by the peer once it copied; a
+  slot is reused only when both bytes are clear. So the server of a 128 MiB
+  echo holds no copy of the payload, as TensorPipe's cma channel streams the
+  reply from the received tensor. When the reply arrives, a slot the server
+  still maps a tensor over (byte 0 set: it kept what it was sent) is copied
+  out, and the hold cleared at once: what the server does to its tensor
+  afterwards is never seen. A slot it maps no longer is the reply tensor
+  itself, with no copy, and the hold is cleared when that tensor is freed.
 - A slot remembers the process it was sent to; if that process died without
   freeing it, the slot is taken back when the pool next needs one of its size.
 - The path is used only towards peers that proved they can open this
@@ -77,7 +90,9 @@ class _Segment:
 
     @property
     def busy(self) -> bool:
-        return self.array[0] != 0
+        """Held by its receiver (byte 0) or by this worker, copying a reply
+        that returned it (byte 1)."""
+        return self.array[0] != 0 or self.array[1] != 0
 
 
 class SenderPool:
@@ -85,6 +100,7 @@ class SenderPool:
 
     def __init__(self, limit_bytes: int = 8 << 30):
         self._by_capacity: dict[int, list[_Segment]] = {}
+        self._by_name: dict[str, _Segment] = {}
         self._lock = threading.Lock()
         self._total = 0
         self._limit = limit_bytes
@@ -102,9 +118,32 @@ class SenderPool:
         segment.array[HEADER : HEADER + size] = np.frombuffer(raw, dtype=np.uint8)
         return SharedBuffer(segment=segment.name, offset=HEADER, size=size)
 
-    def towards(self, holder: int) -> Placer:
-        """``place`` bound to one receiving process."""
-        return Placer(self, holder)
+    def towards(self, holder: int, attachments: Attachments | None = None) -> Placer:
+        """``place`` bound to one receiving process (which may be sent its own
+        slots back: those ``attachments`` mapped from it)."""
+        return Placer(self, holder, attachments)
+
+    def take_back(self, shared: SharedBuffer, holder: int) -> torch.Tensor:
+        """A copy of a slot of this pool that process ``holder`` returned (see
+        the rules); the slot's hold is cleared. Raises ValueError for a slot
+        not of this pool, not sent to ``holder``, not marked returned, or out
+        of its bounds."""
+        segment = self._by_name.get(shared.segment)
+        if segment is None or segment.holder != holder:
+            raise ValueError(f"returned buffer {shared.segment!r} was not sent to process {holder}")
+        end = shared.offset + shared.size
+        if not (HEADER <= shared.offset and end <= HEADER + segment.capacity):
+            raise ValueError(f"returned buffer {shared.segment} out of bounds: {shared}")
+        if not segment.array[1]:
+            raise ValueError(f"returned buffer {shared.segment!r} is not marked returned")
+        data = segment.array[shared.offset : end]
+        if not segment.array[0]:  # the peer maps no tensor over it any more: ours alone
+            weakref.finalize(data, _unhold, segment.array)
+            return torch.from_numpy(data)
+        copy = np.empty(shared.size, dtype=np.uint8)
+        copy[:] = data
+        segment.array[1] = 0
+        return torch.from_numpy(copy)
 
     def _acquire(self, size: int, holder: int) -> _Segment | None:
         capacity = 1 << max(size - 1, 1).bit_length()
@@ -117,6 +156,7 @@ class SenderPool:
                 segment = _Segment(capacity, self.key)
                 self._total += capacity
                 segments.append(segment)
+                self._by_name[segment.name] = segment
             segment.array[0] = 1
             segment.holder = holder
             return segment
@@ -133,7 +173,7 @@ class SenderPool:
         """A slot whose receiver died before freeing it: only the receiver
         clears the busy byte, so without this it would stay busy for good."""
         for segment in segments:
-            if segment.holder and not _alive(segment.holder):
+            if segment.holder and not segment.array[1] and not _alive(segment.holder):
                 return segment
         return None
 
@@ -151,15 +191,24 @@ class SenderPool:
 
 
 class Placer:
-    """``SenderPool.place`` for one receiving process."""
+    """``SenderPool.place`` for one receiving process: its own slot back when
+    ``raw`` lies in one this worker maps from it, else a copy into ours."""
 
-    __slots__ = ("_pool", "_holder")
+    __slots__ = ("_pool", "_holder", "_attachments")
 
-    def __init__(self, pool: SenderPool, holder: int):
-        self._pool, self._holder = pool, holder
+    def __init__(self, pool: SenderPool, holder: int, attachments: Attachments | None = None):
+        self._pool, self._holder, self._attachments = pool, holder, attachments
 
     def place(self, raw: memoryview) -> SharedBuffer | None:
+        if self._attachments is not None:
+            returned = self._attachments.returnable(raw, self._holder)
+            if returned is not None:
+                return returned
         return self._pool.place(raw, self._holder)
+
+
+def _unhold(array: np.ndarray) -> None:
+    array[1] = 0
 
 
 def _alive(pid: int) -> bool:
@@ -171,16 +220,15 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _release(array: np.ndarray) -> None:
-    array[0] = 0
-
-
 class Attachments:
     """Peers' segments mapped by this worker, and tensors built over them."""
 
     def __init__(self) -> None:
         self._maps: dict[str, tuple[mmap.mmap, np.ndarray]] = {}
         self._lock = threading.Lock()
+        # The slot data of tensors alive here, by address: (end, segment, its
+        # whole map, the owner's pid); a reply within one may return it.
+        self._lent: dict[int, tuple[int, str, np.ndarray, int]] = {}
 
     def _map(self, name: str) -> tuple[mmap.mmap, np.ndarray]:
         mapped = self._maps.get(name)
@@ -198,13 +246,22 @@ class Attachments:
                     self._maps[name] = mapped
         return mapped
 
-    def bind(self, pid: int, key: bytes) -> Callable[[SharedBuffer], torch.Tensor]:
+    def bind(
+        self, pid: int, key: bytes, own: SenderPool | None = None
+    ) -> Callable[[SharedBuffer], torch.Tensor]:
         """``tensor`` for the segments of one peer: the process ``pid``, whose
-        pool has ``key``; any other descriptor raises ValueError unmapped."""
-        return functools.partial(self._tensor, pid, key)
+        pool has ``key`` (and slots of ``own`` that it returns); any other
+        descriptor raises ValueError unmapped."""
+        return functools.partial(self._tensor, pid, key, own)
 
-    def _tensor(self, pid: int, key: bytes, shared: SharedBuffer) -> torch.Tensor:
+    def _tensor(
+        self, pid: int, key: bytes, own: SenderPool | None, shared: SharedBuffer
+    ) -> torch.Tensor:
         """A uint8 tensor over the slot; freeing it (and its views) frees the slot."""
+        if shared.returned:
+            if own is None:
+                raise ValueError("a returned shared buffer, and this worker sent none")
+            return own.take_back(shared, pid)
         owner, _, fd = shared.segment.partition("/")
         if not (owner.isdigit() and fd.isdigit() and int(owner) == pid):
             raise ValueError(
@@ -217,8 +274,33 @@ class Attachments:
         if shared.offset != HEADER or shared.offset + shared.size > len(whole):
             raise ValueError(f"shared buffer {shared.segment} out of bounds: {shared}")
         data = whole[shared.offset : shared.offset + shared.size]
-        weakref.finalize(data, _release, whole)
+        start = data.ctypes.data
+        with self._lock:
+            self._lent[start] = (start + shared.size, shared.segment, whole, pid)
+        weakref.finalize(data, self._release, start, whole)
         return torch.from_numpy(data)
+
+    def _release(self, start: int, whole: np.ndarray) -> None:
+        with self._lock:
+            self._lent.pop(start, None)
+        whole[0] = 0
+
+    def returnable(self, raw: memoryview, pid: int) -> SharedBuffer | None:
+        """``raw``'s bytes as process ``pid``'s own slot, marked returned, when
+        they lie in a slot this worker maps from it; else None."""
+        if not self._lent:
+            return None
+        begin = np.frombuffer(raw, dtype=np.uint8).ctypes.data
+        end = begin + len(raw)
+        with self._lock:
+            for start, (stop, name, whole, owner) in self._lent.items():
+                if owner == pid and start <= begin and end <= stop:
+                    if whole[1]:  # returned already, and not yet taken back
+                        return None
+                    whole[1] = 1
+                    offset = HEADER + begin - start
+                    return SharedBuffer(segment=name, offset=offset, size=len(raw), returned=True)
+        return None
 
     def can_open(self, probe_name: str, key: bytes) -> bool:
         """Whether ``probe_name`` is a probe this worker can map, of the pool with ``key``."""

@@ -81,7 +81,9 @@ mp_context.set_forkserver_preload(["torch"])
 TERMINATE_GRACE = 3.0  # seconds between SIGTERM and SIGKILL
 ERROR_GRACE = 5.0  # once a rank has failed, how much longer the others may take to report
 EXIT_GRACE = 10.0  # how long a rank that reported success may take to exit
-STACK_DUMP_LIMIT = 8000  # characters of a stopped rank's stack dump kept in the error
+# Characters of a stopped rank's stack dump kept in the error: every thread's,
+# since a crash's own thread may be anywhere in faulthandler's list.
+STACK_DUMP_LIMIT = 100_000
 
 _ORPHAN_EXIT_CODE = 70  # exit code of a child whose parent died
 

@@ -1,4 +1,5 @@
-"""The same-host slot pool (``shm.SenderPool``): reuse, and slots of dead receivers."""
+"""The same-host slot pool (``shm.SenderPool``): reuse, slots of dead receivers, and
+slots a reply returns to the worker that sent them."""
 
 import os
 import subprocess
@@ -7,7 +8,10 @@ import tempfile
 
 import numpy as np
 import pytest
+import torch
 
+import rrpc
+from harness import run_workers
 from rrpc import shm
 from rrpc._proto.rrpc_pb2 import SharedBuffer
 
@@ -96,3 +100,149 @@ def test_a_receiver_maps_only_the_bound_peers_pool():
     finally:
         pool.close()
         other.close()
+
+
+# -- A reply that returns the peer's own slot -------------------------------------
+class _Pair:
+    """Worker A and worker B of one host, in this process: A's pool and B's."""
+
+    def __init__(self) -> None:
+        pid = os.getpid()
+        self.pool_a, self.pool_b = shm.SenderPool(), shm.SenderPool()
+        self.maps_a, self.maps_b = shm.Attachments(), shm.Attachments()
+        self.a_to_b = self.pool_a.towards(pid, self.maps_a)  # A places for B
+        self.b_to_a = self.pool_b.towards(pid, self.maps_b)  # B places for A
+        self.b_reads = self.maps_b.bind(pid, self.pool_a.key, self.pool_b)  # what A sends B
+        self.a_reads = self.maps_a.bind(pid, self.pool_b.key, self.pool_a)  # what B sends A
+
+    def close(self) -> None:
+        self.pool_a.close()
+        self.pool_b.close()
+
+
+def test_a_reply_within_the_callers_slot_returns_it_and_the_caller_copies_it_out():
+    pair = _Pair()
+    try:
+        sent = np.arange(2 * MiB, dtype=np.uint8)
+        received = pair.b_reads(pair.a_to_b.place(memoryview(sent)))  # B's tensor over A's slot
+        view = received[1000:5000]  # B replies with a part of what it got, and keeps it
+        reply = pair.b_to_a.place(memoryview(view.numpy()))
+        assert reply.returned and reply.offset == shm.HEADER + 1000 and reply.size == 4000
+        assert pair.pool_b.debug_info()["segments"] == 0  # B copied nothing into a slot of its own
+        back = pair.a_reads(reply)  # B still maps it: A copies it out
+        assert np.array_equal(back.numpy(), sent[1000:5000])
+        view.fill_(0)  # what B does to its tensor afterwards: not seen by A
+        assert np.array_equal(back.numpy(), sent[1000:5000])
+        del received, view
+        again = pair.pool_a.place(_payload(8), holder=os.getpid())
+        assert again.segment == reply.segment  # both holds gone: reused
+        assert np.array_equal(back.numpy(), sent[1000:5000])  # a copy: untouched by the reuse
+    finally:
+        pair.close()
+
+
+def test_a_returned_slot_the_callee_no_longer_maps_is_the_reply_itself_until_it_is_freed():
+    pair = _Pair()
+    try:
+        sent = np.arange(2 * MiB, dtype=np.uint8)
+        received = pair.b_reads(pair.a_to_b.place(memoryview(sent)))
+        reply = pair.b_to_a.place(memoryview(received.numpy()))
+        del received  # B's tensor is gone before A reads the reply: A's hold keeps the slot
+        held = pair.pool_a.place(_payload(7), holder=os.getpid())
+        assert held.segment != reply.segment
+        back = pair.a_reads(reply)  # no copy: a tensor over A's own slot
+        assert np.array_equal(back.numpy(), sent)
+        assert pair.pool_a.place(_payload(9), holder=os.getpid()).segment != reply.segment
+        del back  # freed: the slot is free again
+        assert pair.pool_a.place(_payload(10), holder=os.getpid()).segment == reply.segment
+    finally:
+        pair.close()
+
+
+def test_a_reply_outside_any_slot_of_the_caller_is_copied_into_the_callees_own():
+    pair = _Pair()
+    try:
+        kept = pair.b_reads(pair.a_to_b.place(_payload(1)))
+        reply = pair.b_to_a.place(_payload(2))  # B's own tensor
+        assert not reply.returned and pair.pool_b.debug_info()["segments"] == 1
+        assert bool((pair.a_reads(reply) == 2).all())
+        del kept
+    finally:
+        pair.close()
+
+
+def test_a_slot_is_returned_once_until_it_is_taken_back():
+    pair = _Pair()
+    try:
+        received = pair.b_reads(pair.a_to_b.place(_payload(3)))
+        first = pair.b_to_a.place(memoryview(received.numpy()))
+        second = pair.b_to_a.place(memoryview(received.numpy()))  # A still holds the first
+        assert first.returned and not second.returned
+        assert bool((pair.a_reads(first) == 3).all()) and bool((pair.a_reads(second) == 3).all())
+        assert pair.b_to_a.place(memoryview(received.numpy())).returned  # taken back: again
+    finally:
+        pair.close()
+
+
+def test_a_returned_descriptor_is_checked_before_anything_is_read():
+    pair = _Pair()
+    try:
+        received = pair.b_reads(pair.a_to_b.place(_payload(4)))
+        reply = pair.b_to_a.place(memoryview(received.numpy()))
+        forged = [
+            SharedBuffer(segment=reply.segment, offset=0, size=16, returned=True),
+            SharedBuffer(segment=reply.segment, offset=64, size=64 * MiB, returned=True),
+            SharedBuffer(segment="1/2", offset=64, size=16, returned=True),
+        ]
+        for descriptor in forged:
+            with pytest.raises(ValueError):
+                pair.a_reads(descriptor)
+        stranger = shm.Attachments().bind(os.getpid() + 1, pair.pool_b.key, pair.pool_a)
+        with pytest.raises(ValueError, match="was not sent to process"):
+            stranger(reply)  # the slot went to another process
+        assert bool((pair.a_reads(reply) == 4).all())
+        with pytest.raises(ValueError, match="not marked returned"):
+            pair.a_reads(reply)  # taken back already
+        with pytest.raises(ValueError, match="sent none"):
+            shm.Attachments().bind(os.getpid(), pair.pool_b.key)(reply)  # a worker with no pool
+    finally:
+        pair.close()
+
+
+# -- Workers -------------------------------------------------------------------------
+_kept: list = []  # worker1's copies of what it was sent
+
+
+def _keep_and_return(tensor):
+    _kept.append(tensor)
+    return tensor
+
+
+def _scribble_on_kept():
+    _kept[-1].fill_(-1.0)  # after its reply went: the caller's copy must not change
+
+
+def _slots_made():
+    from rrpc.agent import current_agent
+
+    return current_agent().shm_pool.debug_info()["segments"]
+
+
+def _echoes_returned(rank, world_size):
+    if rank != 0:
+        return None
+    sent = torch.randn(MiB)  # 4 MiB: through a slot either way
+    back = rrpc.rpc_sync("worker1", _keep_and_return, args=(sent,))
+    view = rrpc.rpc_sync("worker1", torch.narrow, args=(sent, 0, 1000, MiB // 2))
+    rrpc.rpc_sync("worker1", _scribble_on_kept)
+    return (
+        torch.equal(back, sent),
+        torch.equal(view, sent[1000 : 1000 + MiB // 2]),
+        rrpc.rpc_sync("worker1", _slots_made),
+    )
+
+
+def test_a_worker_that_returns_what_it_was_sent_makes_no_slot_and_the_caller_keeps_a_copy():
+    same, narrowed, slots = run_workers(_echoes_returned, env={"RRPC_SHM": "1"})[0]
+    assert same and narrowed
+    assert slots == 0  # worker1 replied with the caller's own slots, copied nothing
