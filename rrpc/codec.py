@@ -572,6 +572,7 @@ def loads_waiting(
         raise SerializationError(f"cannot unpickle a message from {peer}: {exc!r}{hint}") from exc
     finally:
         _state.peer, _state.tensor_hook, _state.waits = previous
+        frame.buffers = []  # the tensors hold them now: freed with the last of them
         frame.consumed()
 
 

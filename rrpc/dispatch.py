@@ -92,7 +92,13 @@ class Dispatcher:
             return
         del frame
         rows = self._agent.metrics.served(peer.name, envelope.kind, request, size, tensor_bytes)
-        run = (self._run, handler, request, peer, envelope.request_id, context_id, respond, rows)
+        # The request travels in a box that its run empties: nothing of this
+        # worker's keeps what it was sent past the function's own use (a large
+        # argument's shared-memory slot is freed, or returned to its sender,
+        # before the reply leaves: shm.py).
+        box = [request]
+        del request
+        run = (self._run, handler, box, peer, envelope.request_id, context_id, respond, rows)
         if not waits:
             run[0](*run[1:])
             return
@@ -111,12 +117,12 @@ class Dispatcher:
             on_done(wait, ready)
 
     def _run(
-        self, handler, request, peer: WorkerInfo, request_id: int, context_id: int, respond, rows
+        self, handler, box: list, peer: WorkerInfo, request_id: int, context_id: int, respond, rows
     ):
         previous_context = thread_state.autograd_context_id
         thread_state.autograd_context_id = context_id
         try:
-            result = handler(request, peer)
+            result = handler(box.pop(), peer)
         except BaseException as exc:
             self._reply_error(exc, peer, request_id, respond, rows)
             return
@@ -128,7 +134,9 @@ class Dispatcher:
                 lambda done: self._reply_future(done, peer, request_id, context_id, respond, rows),
             )
         else:
-            self._reply(result, peer, request_id, context_id, respond, rows)
+            box.append(result)
+            del result
+            self._reply(box, peer, request_id, context_id, respond, rows)
 
     def _reply_future(self, done, peer, request_id, context_id, respond, rows) -> None:
         try:
@@ -139,14 +147,16 @@ class Dispatcher:
             self._reply_error(exc, peer, request_id, respond, rows)
             exc.__traceback__ = None
             return
-        self._reply(result, peer, request_id, context_id, respond, rows)
+        box = [result]
+        del result
+        self._reply(box, peer, request_id, context_id, respond, rows)
 
-    def _reply(
-        self, result: Any, peer: WorkerInfo, request_id: int, context_id: int, respond, rows
-    ):
+    def _reply(self, box: list, peer: WorkerInfo, request_id: int, context_id: int, respond, rows):
+        """Answer with the result in ``box``, which it empties: the result is
+        not kept here while the reply is written."""
         try:
             out = self._agent.encode(
-                REPLY, request_id, result, peer, context_id, (peer.id, request_id, True)
+                REPLY, request_id, box.pop(), peer, context_id, (peer.id, request_id, True)
             )
         except BaseException as exc:
             self._reply_error(exc, peer, request_id, respond, rows)
