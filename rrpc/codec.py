@@ -37,7 +37,6 @@ Rules:
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import io
 import pickle
@@ -514,40 +513,6 @@ def loads(
     return loads_waiting(frame, peer, tensor_hook, unpickle)[0]
 
 
-# The same unpickling, by pickle's pure-Python unpickler (see below).
-_PURE_PYTHON: dict[Any, Unpickle] = {
-    pickle.loads: functools.partial(restricted.loads_pure, restricted=False),
-    restricted.loads: restricted.loads_pure,
-}
-
-
-def _may_name_an_unallocatable_bytearray(payload: bytes | memoryview) -> bool:
-    """Whether some byte of ``payload``, read as BYTEARRAY8, would announce
-    more bytes than the payload holds after it.
-
-    CPython's C unpickler (3.11, 3.12) builds a BYTEARRAY8 with
-    ``PyByteArray_FromStringAndSize(NULL, size)`` before it checks that the
-    input holds ``size`` bytes; when the allocation fails, that function
-    frees the half-built bytearray before setting its count of buffer
-    exports, and the deallocator reads whatever the allocator left there: if
-    positive, it raises and prints ``SystemError: deallocated bytearray object
-    has exported buffers`` (running ``sys.excepthook``) from inside the
-    deallocator, in the middle of ``load``. A payload where this could happen
-    is unpickled by the pure-Python unpickler instead (``restricted.loads_pure``),
-    which refuses such a BYTEARRAY8 before allocating anything.
-    A true BYTEARRAY8 never announces more than the payload holds, so a
-    valid pickle only takes that path when a byte of its data looks like one."""
-    find = payload.find if isinstance(payload, bytes) else bytes(payload).find
-    size = len(payload)
-    index = find(b"\x96")
-    while index >= 0:
-        count = payload[index + 1 : index + 9]
-        if len(count) == 8 and int.from_bytes(count, "little") > size - index - 9:
-            return True
-        index = find(b"\x96", index + 1)
-    return False
-
-
 def loads_waiting(
     frame: Frame,
     peer: Any = None,
@@ -559,8 +524,7 @@ def loads_waiting(
     waits: list[Any] = []
     _state.peer, _state.tensor_hook, _state.waits = peer, tensor_hook, waits
     try:
-        if _may_name_an_unallocatable_bytearray(frame.payload):
-            unpickle = _PURE_PYTHON.get(unpickle, unpickle)
+        unpickle = restricted.guarded(unpickle, frame.payload)
         return unpickle(frame.payload, buffers=frame.buffers), waits
     except Exception as exc:
         hint = ""

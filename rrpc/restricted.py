@@ -6,6 +6,10 @@ agent unpickles every message with ``loads`` below instead of
 ``functions.check_call`` / ``check_method`` what they run. This module holds
 no switch; it holds the tables, which are the same for every run.
 
+In every mode, ``guarded`` chooses pickle's pure-Python unpickler for a
+payload CPython's C unpickler would mishandle (a BYTEARRAY8 larger than the
+payload: see there).
+
 Registration, not reach-up: the module that owns a thing puts it in a table
 when it is imported, so this one names none of them.
 
@@ -281,8 +285,42 @@ def loads(data: Any, *, buffers: Any = None) -> Any:
 def loads_pure(data: Any, *, buffers: Any = None, restricted: bool = True) -> Any:
     """``loads`` (or, not ``restricted``, ``pickle.loads``) by pickle's
     pure-Python unpickler: for the payloads CPython's C unpickler mishandles
-    (``codec._may_name_an_unallocatable_bytearray``)."""
+    (``guarded``)."""
     if not restricted:
         return _PurePythonUnpickler(data, buffers=buffers).load()
     _check_memo_indices(data)
     return _PurePythonRestrictedUnpickler(data, buffers=buffers).load()
+
+
+# The same unpickling, by pickle's pure-Python unpickler (``guarded``).
+_PURE_PYTHON: dict[Any, Any] = {
+    pickle.loads: functools.partial(loads_pure, restricted=False),
+    loads: loads_pure,
+}
+
+
+def guarded(unpickle: Any, payload: bytes | memoryview) -> Any:
+    """``unpickle`` (``pickle.loads`` or ``loads``), or its pure-Python twin
+    when some byte of ``payload``, read as BYTEARRAY8, would announce more
+    bytes than the payload holds after it.
+
+    CPython's C unpickler (3.11, 3.12) builds a BYTEARRAY8 with
+    ``PyByteArray_FromStringAndSize(NULL, size)`` before it checks that the
+    input holds ``size`` bytes; when the allocation fails, that function
+    frees the half-built bytearray before setting its count of buffer
+    exports, and the deallocator reads whatever the allocator left there: if
+    positive, it raises and prints ``SystemError: deallocated bytearray object
+    has exported buffers`` (running ``sys.excepthook``) from inside the
+    deallocator, in the middle of ``load``. The pure-Python unpickler refuses
+    such a BYTEARRAY8 before allocating anything. A true BYTEARRAY8 never
+    announces more than the payload holds, so a valid pickle only takes that
+    path when a byte of its data looks like one."""
+    find = payload.find if isinstance(payload, bytes) else bytes(payload).find
+    size = len(payload)
+    index = find(b"\x96")
+    while index >= 0:
+        count = payload[index + 1 : index + 9]
+        if len(count) == 8 and int.from_bytes(count, "little") > size - index - 9:
+            return _PURE_PYTHON.get(unpickle, unpickle)
+        index = find(b"\x96", index + 1)
+    return unpickle

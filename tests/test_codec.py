@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 
-from rrpc import codec, wire
+from rrpc import codec, restricted, wire
 from rrpc._proto.rrpc_pb2 import Envelope, SharedBuffer
 from rrpc.messages import CALL, REPLY, MessageTooLargeError, ProtocolError, SerializationError
 from rrpc.wire import FrameReader
@@ -538,8 +538,6 @@ def test_a_bytearray8_larger_than_the_payload_is_refused_before_it_is_allocated(
     # Refused by the size check, not by a failed allocation (a MemoryError):
     # the C unpickler's path is never taken (whether that path prints depends
     # on the allocator's leftovers, so stderr cannot show it reliably).
-    from rrpc import restricted
-
     unpickle = restricted.loads if restricted_mode else pickle.loads
     frame = wire.Frame(Envelope(), _UNALLOCATABLE, [])
     with pytest.raises(SerializationError, match=f"BYTEARRAY8 of {2**62} bytes in a pickle of 12"):
@@ -549,10 +547,9 @@ def test_a_bytearray8_larger_than_the_payload_is_refused_before_it_is_allocated(
 def test_a_bytearray_in_a_payload_still_arrives_whole():
     value = (bytearray(b"\x96" + b"\xff" * 40), b"\x96\x00\x00\x00\x00\x00\x00\x00\xff")
     payload = pickle.dumps(value, protocol=5)
-    assert codec._may_name_an_unallocatable_bytearray(payload)  # its data looks like one
+    assert restricted.guarded(pickle.loads, payload) is not pickle.loads  # its data looks like one
     for mode in ("pickle", "restricted"):
-        from rrpc import restricted
-
         unpickle = restricted.loads if mode == "restricted" else pickle.loads
         assert codec.loads(wire.Frame(Envelope(), payload, []), unpickle=unpickle) == value
-    assert not codec._may_name_an_unallocatable_bytearray(pickle.dumps(bytearray(100), protocol=5))
+    plain = pickle.dumps(bytearray(100), protocol=5)
+    assert restricted.guarded(pickle.loads, plain) is pickle.loads
