@@ -98,7 +98,10 @@ class Routes:
                     peer_timeout=self._options.peer_timeout,
                     auth_token=self._options.auth_token,
                     ranks=(self._agent.info.id, peer.id),
-                    bulk_port=entry.bulk_port if self._options.bulk_channel else 0,
+                    # A bulk socket is not encrypted: none beside a TLS stream.
+                    bulk_port=entry.bulk_port
+                    if self._options.bulk_channel and self._credentials is None
+                    else 0,
                 )
                 self._connections[peer.id] = connection
                 self._opened.append(connection)
