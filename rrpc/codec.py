@@ -51,7 +51,7 @@ import cloudpickle
 import numpy as np
 import torch
 
-from rrpc import restricted
+from rrpc import by_value, restricted
 from rrpc._proto.rrpc_pb2 import Envelope
 from rrpc.messages import (
     MessageTooLargeError,
@@ -347,6 +347,9 @@ class _FastPickler(pickle.Pickler):
         if _pickled_by_value(obj):
             raise _NeedsCloudpickle
         return _reduce_tensor(self, obj)
+
+
+by_value.remember_submodules()  # cloudpickle's slow lookup, once per function's code
 
 
 class _CodePickler(cloudpickle.Pickler):

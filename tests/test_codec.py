@@ -553,3 +553,37 @@ def test_a_bytearray_in_a_payload_still_arrives_whole():
         assert codec.loads(wire.Frame(Envelope(), payload, []), unpickle=unpickle) == value
     plain = pickle.dumps(bytearray(100), protocol=5)
     assert restricted.guarded(pickle.loads, plain) is pickle.loads
+
+
+# -- Code pickled by value: cloudpickle's slow lookup, remembered ----------------------
+def test_cloudpickle_remembers_submodules_per_code_and_asks_again_when_modules_change():
+    import concurrent.futures
+    import types
+
+    import cloudpickle
+
+    from rrpc import by_value
+
+    asked = []
+
+    def find(code, dependencies):
+        asked.append(code)
+        return [concurrent.futures]
+
+    remembered = by_value._remembered(find)
+    code = (lambda: concurrent.futures.ThreadPoolExecutor).__code__
+    assert remembered(code, [concurrent]) == [concurrent.futures]
+    assert remembered(code, [concurrent]) == [concurrent.futures]
+    assert len(asked) == 1
+    sys.modules["rrpc_test_loaded_later"] = types.ModuleType("rrpc_test_loaded_later")
+    try:
+        remembered(code, [concurrent])  # a module was loaded since: asked again
+    finally:
+        del sys.modules["rrpc_test_loaded_later"]
+    assert len(asked) == 2
+    installed = cloudpickle.cloudpickle._find_imported_submodules
+    assert installed.remembers(code, [concurrent]) == installed(code, [concurrent])
+    # What is pickled is unchanged: a lambda naming a submodule works once unpickled.
+    payload, _, _ = codec.dumps((lambda: concurrent.futures.ThreadPoolExecutor, (), {}))
+    function, _, _ = pickle.loads(payload)
+    assert function() is concurrent.futures.ThreadPoolExecutor
