@@ -571,16 +571,13 @@ def _echo(name: str, n: int, n_quick: int, veth: bool = False, fresh: bool = Fal
     )
 
 
+def _noop(name: str, floors: tuple[Floor, ...], veth: bool = False) -> Workload:
+    rows = (Row("p50_us", "rpc_sync p50", "µs", False), Row("p99_us", "rpc_sync p99", "µs", False))
+    return Workload(name, noop_sync, 2000, 500, rows, veth=veth, floor=floor_noop, floors=floors)
+
+
 WORKLOADS = [
-    Workload(
-        "noop_sync",
-        noop_sync,
-        2000,
-        500,
-        (Row("p50_us", "rpc_sync p50", "µs", False), Row("p99_us", "rpc_sync p99", "µs", False)),
-        floor=floor_noop,
-        floors=(GRPCIO_FLOOR, UDS_FLOOR),
-    ),
+    _noop("noop_sync", (GRPCIO_FLOOR, UDS_FLOOR)),
     Workload(
         "async_64", async_64, 4000, 1500, (Row("calls_per_s", "64 in flight", "calls/s", True),)
     ),
@@ -594,16 +591,7 @@ WORKLOADS = [
     _echo("echo_fresh_1m", 100, 40, fresh=True),
     _echo("echo_fresh_16m", 20, 8, fresh=True),
     _echo("echo_fresh_128m", 4, 2, fresh=True),
-    Workload(
-        "veth_noop_sync",
-        noop_sync,
-        2000,
-        500,
-        (Row("p50_us", "rpc_sync p50", "µs", False), Row("p99_us", "rpc_sync p99", "µs", False)),
-        veth=True,
-        floor=floor_noop,
-        floors=(GRPCIO_VETH_FLOOR,),
-    ),
+    _noop("veth_noop_sync", (GRPCIO_VETH_FLOOR,), veth=True),
     _echo("veth_echo_16m", 20, 8, veth=True),
     _echo("veth_echo_128m", 4, 2, veth=True),
     Workload(

@@ -226,14 +226,13 @@ class FrameReader:
             raise ProtocolError(f"unparseable envelope: {exc}") from exc
         sizes = list(envelope.buffer_sizes)
         payload_end = body + envelope.payload_size
-        frame_end = payload_end + sum(sizes)
-        if envelope.bulk:
-            frame_end = payload_end  # its buffers come on the bulk socket
+        bulk = envelope.bulk  # its buffers come on the bulk socket, not in the packet
+        frame_end = payload_end if bulk else payload_end + sum(sizes)
         if frame_end > end or envelope.shared_buffers or len(sizes) > MAX_BUFFERS:
             return None  # also checks the limits, counting shared buffers
         if self.max_message_size and frame_end - body > self.max_message_size:
             return None  # the general path raises the error
-        if envelope.bulk:
+        if bulk:
             if self.max_message_size and _declared_size(envelope) > self.max_message_size:
                 return None
             claimed = self._claim(envelope)

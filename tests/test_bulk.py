@@ -167,20 +167,33 @@ def test_a_transfer_over_max_message_size_breaks_the_socket_before_it_is_allocat
         ends.close()
 
 
+class _FacingRawPeer:
+    """A bound channel, the raw socket of its peer (``theirs``), and its breaks."""
+
+    def __init__(self, max_message_size: int = 0, peer_timeout: float = 8.0):
+        self.broken: list[BaseException] = []
+        self.channel = bulk.Channel(
+            "peer", "test-{}", max_message_size, peer_timeout, self.broken.append
+        )
+        ours, self.theirs = _tcp_pair()
+        assert self.channel.bind(ours)
+
+    def __enter__(self) -> tuple[bulk.Channel, socket.socket, list[BaseException]]:
+        return self.channel, self.theirs, self.broken
+
+    def __exit__(self, *exc: object) -> None:
+        self.channel.close()
+        self.theirs.close()
+
+
 def test_a_peer_that_closes_mid_transfer_fails_the_claim_and_reports_the_break():
-    broken: list[BaseException] = []
-    channel = bulk.Channel("peer", "test-{}", 0, 8.0, broken.append)
-    ours, theirs = _tcp_pair()
-    assert channel.bind(ours)
-    try:
+    with _FacingRawPeer() as (channel, theirs, broken):
         # A header announcing 1 MiB, then half of it, then the peer is gone.
         theirs.sendall(bulk._TRANSFER.pack(7, 1) + bulk._SIZE.pack(MiB) + bytes(MiB // 2))
         theirs.close()
         with pytest.raises(ProtocolError, match="ended"):
             channel.claim(7, [MiB])
         assert len(broken) == 1 and "mid-transfer" in str(broken[0])
-    finally:
-        channel.close()
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -188,11 +201,7 @@ def test_garbage_on_the_socket_breaks_it_with_a_clear_error_and_allocates_nothin
     """Random headers (counts, sizes) from a peer: refused by the limits, or
     read as a transfer no frame names; never a crash, never a huge allocation."""
     rng = np.random.default_rng(seed)
-    broken: list[BaseException] = []
-    channel = bulk.Channel("fuzzer", "test-{}", 64 * MiB, 8.0, broken.append)
-    ours, theirs = _tcp_pair()
-    assert channel.bind(ours)
-    try:
+    with _FacingRawPeer(max_message_size=64 * MiB) as (channel, theirs, broken):
         count = int(rng.integers(0, 1 << 32))
         sizes = rng.integers(0, 1 << 63, size=min(count, 4), dtype=np.uint64)
         theirs.sendall(bulk._TRANSFER.pack(1, count) + sizes.tobytes() + rng.bytes(4096))
@@ -201,32 +210,29 @@ def test_garbage_on_the_socket_breaks_it_with_a_clear_error_and_allocates_nothin
             channel.claim(1, [0])
         assert len(broken) == 1
         assert "buffers" in str(broken[0]) or "max_message_size" in str(broken[0])
-    finally:
-        channel.close()
 
 
 def test_a_claim_fails_when_no_byte_comes_for_peer_timeout():
-    broken: list[BaseException] = []
-    channel = bulk.Channel("frozen", "test-{}", 0, 1.0, broken.append)
-    ours, theirs = _tcp_pair()
-    assert channel.bind(ours)
-    try:
+    with _FacingRawPeer(peer_timeout=1.0) as (channel, theirs, broken):
         theirs.sendall(bulk._TRANSFER.pack(9, 1) + bulk._SIZE.pack(MiB) + bytes(1000))
         with pytest.raises(ProtocolError, match="stopped for 1 s"):
             channel.claim(9, [MiB])  # the rest never comes: the peer froze
-    finally:
-        channel.close()
-        theirs.close()
+        assert channel.error is not None  # the socket is ended (the failed claim ends the stream)
 
 
 def test_a_dialer_whose_dial_failed_sends_whole_frames_and_refuses_bulk_frames():
-    channel = bulk.Channel("peer", "test-{}", 0, 8.0, dial=lambda: (_ for _ in ()).throw(OSError))
+    def dial() -> socket.socket:
+        raise ConnectionRefusedError("no bulk port there")
+
+    channel = bulk.Channel("peer", "test-{}", 0, 8.0, dial=dial)
     stream: list[list] = []
     frame = _frame(_random(2 * MiB, 6))
     assert channel.send(frame, stream.append) is False  # and it dials, in the background
     assert stream == [frame]
-    with pytest.raises(ProtocolError):
+    # The dial's own failure, not the wait for a socket that never came.
+    with pytest.raises(ProtocolError, match="no bulk port there"):
         channel.claim(1, [2 * MiB])
+    assert channel.send(frame, stream.append) is False and stream == [frame, frame]
 
 
 def test_the_frame_reader_takes_a_bulk_frames_buffers_from_its_claim():
