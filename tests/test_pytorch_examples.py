@@ -105,6 +105,10 @@ def _table_weight(remote_table) -> torch.Tensor:
 
 def _run(rank: int, world_size: int, framework: str, ddp_port: int):
     _bind(framework)
+    # One intra-op thread: the table's gradient (EmbeddingBag's backward) sums
+    # in parallel in an order that varies from run to run, on either framework
+    # (torch against itself differed by 0.006 after training, 1 run in 4).
+    torch.set_num_threads(1)
     torch.manual_seed(SEED + rank)
     name = WORLD[rank]
     if name.startswith("trainer"):
