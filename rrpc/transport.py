@@ -271,6 +271,15 @@ def bracket(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
+def _end_for_bulk(context: grpc.ServicerContext, outbox: Outbox, error: BaseException) -> None:
+    """The callee's bulk socket broke: the stream ends with a status that says
+    so (a cancel would tell the caller only "cancelled", and the caller's own
+    end of the socket may see the break later than the status arrives)."""
+    context.set_code(grpc.StatusCode.UNAVAILABLE)
+    context.set_details(f"the bulk socket beside the stream broke: {error}")
+    outbox.end()
+
+
 def _stream_error(exc: grpc.RpcError, peer_name: str) -> BaseException | None:
     code = exc.code() if hasattr(exc, "code") else None
     details = exc.details() if hasattr(exc, "details") else str(exc)
@@ -464,7 +473,7 @@ class Server:
             f"rrpc-bulk-{{}}-{self._rank}<-{peer_rank}",
             self._max_message_size,
             self._peer_timeout,
-            on_broken=lambda error: context.cancel(),
+            on_broken=functools.partial(_end_for_bulk, context, outbox),
             backlog=outbox,
         )
         with self._bulk_changed:
