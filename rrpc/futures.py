@@ -10,8 +10,10 @@ reply that only that very thread could read: a deadlock.
 So every future rrpc returns is a ``Future`` (a ``torch.futures.Future``)
 whose ``then`` and ``add_done_callback`` wrap the user's callback: run on a
 transport thread, the callback is handed to ``callbacks``, a pool
-(``pool.ElasticThreads``) that grows a thread whenever none is free (a
-callback may block on anything, even on another callback); run elsewhere
+(``pool.HandOnThreads``) where one thread runs the queued callbacks one
+after another and another takes the queue on when a callback waits for an
+RPC or the queue stands still (a callback may block on anything, even on
+another callback); run elsewhere
 (the future was already done, or a user thread completed it), it runs right
 there, as in torch. Transport threads say so with
 ``messages.mark_transport_thread()``. A future with user callbacks is also
@@ -28,8 +30,9 @@ Every wait and every combination of futures in rrpc goes through this module:
   calls) wait on: a bare lock, a fraction of a torch Future's cost, never
   seen by user code.
 - ``wait_until(future, timeout)``: wait without raising (True once done).
-  Through ``blocking``: a request that waits gives its worker permit back
-  (the worker pool says which thread runs a request: ``pool.this_thread``).
+  Through ``blocking``: a request that waits gives its worker permit back,
+  and a callback that waits hands the callback queue on to another thread
+  (the pools say what the waiting thread runs: ``pool.this_thread``).
 - ``all_of`` (fails at the first failure, as soon as it happens),
   ``all_settled`` (never fails: done when all are) and ``values_of`` (every
   value, or the first error once all are done): combinations, built with
@@ -62,11 +65,12 @@ _IDLE_EXIT = 30.0  # seconds an idle callback thread waits before it ends
 def blocking(wait: Callable[..., Any], *args: Any) -> Any:
     """``wait(*args)``, a wait for an RPC's reply. On a thread that runs a
     request, the request's worker permit is given back meanwhile, so that
-    nested calls deeper than ``num_worker_threads`` cannot deadlock."""
+    nested calls deeper than ``num_worker_threads`` cannot deadlock; on a
+    callback thread, another thread takes the queued callbacks on."""
     hand_off = thread_state.hand_off  # set while a stream's reader runs the request
     if hand_off is not None:
         hand_off()
-    hooks = pool.this_thread.blocking_hooks  # set by the worker pool while it runs a request
+    hooks = pool.this_thread.blocking_hooks  # set by the pools while they run a task
     if hooks is None:
         return wait(*args)
     give_back, take_back = hooks
@@ -85,10 +89,11 @@ def _run_callback(task: tuple[Callable[..., Any], tuple]) -> None:
         log.exception("rrpc: a future's callback raised")
 
 
-# Threads for user callbacks handed off a transport thread: one more whenever
-# none is free (a callback may block on another callback's work), each ending
+# Threads for user callbacks handed off a transport thread: one drains the
+# queue, another is added when a callback waits for an RPC or the queue stands
+# still for 2 ms (a callback may block on another callback's work); each ends
 # after _IDLE_EXIT s idle. Process-wide: no thread until a callback needs one.
-callbacks = pool.ElasticThreads("rrpc-callback", _run_callback, idle_exit=_IDLE_EXIT)
+callbacks = pool.HandOnThreads("rrpc-callback", _run_callback, idle_exit=_IDLE_EXIT)
 
 
 def _off_transport(callback: Callable[[Any], Any]) -> Callable[[Any], Any]:

@@ -1,19 +1,21 @@
-"""Thread pools: threads that grow on demand and retire when idle, and the worker pool.
+"""Thread pools: threads that grow on demand and retire when idle.
 
 ``ElasticThreads`` grows a thread when none is free and retires idle ones;
 on it, ``WorkerPool`` runs incoming requests (permits, requests run inline,
 permits given back while a request waits for an RPC of its own).
+``HandOnThreads`` runs ``futures``' user callbacks (handed off a transport
+thread): one thread drains the queue, and another is added only when the
+queue stops moving (see its doc).
 
-Both of rrpc's pools are ``ElasticThreads``: the worker pool, and the
-callback pool of ``futures`` (user callbacks handed off a transport thread).
 This module imports nothing of rrpc: ``futures`` sits above it and asks it,
-through ``this_thread``, whether the waiting thread runs a request (see
-``futures.blocking``). The agent's module doc and ARCHITECTURE.md say where
-the pools sit among rrpc's threads.
+through ``this_thread``, whether the waiting thread runs a request or a
+callback (see ``futures.blocking``). The agent's module doc and
+ARCHITECTURE.md say where the pools sit among rrpc's threads.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import queue
@@ -26,8 +28,9 @@ log = logging.getLogger("rrpc")
 
 
 class _ThisThread(threading.local):
-    # (give back, take back) a worker permit: set while a worker-pool thread
-    # runs a request, so that a wait for an RPC gives the permit back.
+    # (before, after) a wait for an RPC, set while a pool's thread runs a
+    # task: the worker pool gives a request's permit back meanwhile; the
+    # callback pool hands its queue on to another thread.
     blocking_hooks: tuple[Callable[[], None], Callable[[], None]] | None = None
 
 
@@ -138,6 +141,173 @@ class ElasticThreads:
             threads = list(self._threads)
         for _ in threads:
             self._tasks.put(None)
+        deadline = time.monotonic() + timeout
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()))
+
+
+def _nothing() -> None:
+    pass
+
+
+class HandOnThreads:
+    """Threads that run tasks from one queue, few at a time: the callback pool.
+
+    Waking a thread costs tens of microseconds on a small VM, and a thread per
+    task would pay it per reply: 64 calls in flight kept ~70 callback threads
+    busy waking each other. So one thread (a *runner*) drains the queue and
+    takes the next task without sleeping; a put wakes a thread only when no
+    runner is at work. Tasks are user code and may block on anything, even on
+    a task queued behind them, so the queue must not wait for a blocked
+    runner: another runner is added
+
+    - at once, when a running task waits for an RPC (``futures.blocking``
+      calls ``hand_on`` through ``this_thread.blocking_hooks``), and
+    - by the *watch* thread, when tasks are queued and none has started for
+      ``grow_after`` seconds (a task blocked on a lock, an event, a sleep).
+      The watch sleeps unless tasks are queued behind busy runners, and then
+      looks every ``grow_after``.
+
+    Runners that find the queue empty park (each on its own lock, so that a
+    put wakes exactly one, the one idle the shortest) and end after
+    ``idle_exit`` seconds parked. Tasks start in the order they were put.
+
+    State, under ``_lock``: ``_tasks``; ``_runners`` (threads draining the
+    queue, running a task or about to take one); ``_parked`` (locks of idle
+    threads, held until the thread is woken); ``_started`` (tasks taken, the
+    watch's measure of progress); ``_watching`` (the watch looks).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        run: Callable[[Any], None],
+        grow_after: float = 0.002,
+        idle_exit: float = 30.0,
+    ):
+        self._name = name
+        self._run_task = run
+        self._grow_after = grow_after
+        self._idle_exit = idle_exit
+        self._lock = threading.Lock()
+        self._watch = threading.Condition(self._lock)
+        self._tasks: collections.deque = collections.deque()
+        self._runners = 0
+        self._parked: list[threading.Lock] = []
+        self._started = 0
+        self._watching = False
+        self._watcher: threading.Thread | None = None
+        self._stopped = False
+        self._numbers = itertools.count()
+        self._threads: set[threading.Thread] = set()
+        self._hooks = (self.hand_on, _nothing)
+
+    def put_or_grow(self, task: Any) -> None:
+        """Queue ``task``; wake or start a runner if none is at work."""
+        with self._lock:
+            self._tasks.append(task)
+            if self._runners == 0:
+                thread = self._add_runner()
+            elif not self._watching:
+                thread = self._start_watching()
+            else:
+                return
+        if thread is not None:
+            thread.start()
+
+    def hand_on(self) -> None:
+        """The calling runner is about to block: another takes the queue on."""
+        with self._lock:
+            thread = self._add_runner() if self._tasks else None
+        if thread is not None:
+            thread.start()
+
+    def queued(self) -> int:
+        """Tasks queued and not taken yet."""
+        return len(self._tasks)
+
+    def _add_runner(self) -> threading.Thread | None:
+        """With ``_lock`` held: wake the parked thread idle the shortest, or
+        make a new one (returned, for the caller to start once it released
+        the lock)."""
+        self._runners += 1
+        if self._parked:
+            self._parked.pop().release()
+            return None
+        return self._new_thread(self._loop)
+
+    def _start_watching(self) -> threading.Thread | None:
+        """With ``_lock`` held: tasks wait behind busy runners; the watch looks."""
+        self._watching = True
+        if self._watcher is None:
+            self._watcher = self._new_thread(self._watch_queue, "watch")
+            return self._watcher
+        self._watch.notify()
+        return None
+
+    def _new_thread(self, target: Callable[[], None], suffix: str = "") -> threading.Thread:
+        name = f"{self._name}-{suffix or next(self._numbers)}"
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        self._threads.add(thread)
+        return thread
+
+    def _loop(self) -> None:
+        this_thread.blocking_hooks = self._hooks
+        while True:
+            with self._lock:
+                if self._tasks:
+                    task = self._tasks.popleft()
+                    self._started += 1
+                else:
+                    self._runners -= 1
+                    if self._stopped:
+                        self._threads.discard(threading.current_thread())
+                        return
+                    parked = threading.Lock()
+                    parked.acquire()
+                    self._parked.append(parked)
+                    task = None
+            if task is None:
+                if not parked.acquire(timeout=self._idle_exit):
+                    with self._lock:
+                        if parked in self._parked:  # not woken meanwhile: end
+                            self._parked.remove(parked)
+                            self._threads.discard(threading.current_thread())
+                            return
+                continue  # woken: ``_add_runner`` counted this thread a runner again
+            self._run_task(task)
+            # Drop the task now, not when the next one arrives: a callback may
+            # hold a peer's shared-memory slot, freed with its last tensor.
+            del task
+
+    def _watch_queue(self) -> None:
+        with self._lock:
+            while not self._stopped:
+                if not self._watching:
+                    self._watch.wait()
+                    continue
+                seen = self._started
+                self._watch.wait(self._grow_after)
+                if not self._tasks:
+                    self._watching = False
+                elif self._started == seen and not self._stopped:
+                    thread = self._add_runner()  # the queue stood still: a runner is blocked
+                    if thread is not None:
+                        thread.start()  # under the lock: the new thread needs it only later
+            self._threads.discard(threading.current_thread())
+
+    def stop(self, timeout: float) -> None:
+        """End every thread once the tasks queued before are done; wait up to
+        ``timeout`` seconds for them (not for the calling thread)."""
+        with self._lock:
+            self._stopped = True
+            threads = list(self._threads)
+            for parked in self._parked:
+                parked.release()
+            self._runners += len(self._parked)
+            self._parked.clear()
+            self._watch.notify_all()
         deadline = time.monotonic() + timeout
         for thread in threads:
             if thread is not threading.current_thread():

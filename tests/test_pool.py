@@ -1,13 +1,14 @@
 """rrpc/pool.py without processes: elastic threads grow for waiting work and
 retire when idle; the worker pool bounds running requests by its permits,
-which a request gives back while it waits for an RPC."""
+which a request gives back while it waits for an RPC; the callback pool runs
+a burst on one thread and hands its queue on when a task blocks."""
 
 import threading
 
 import pytest
 
 from rrpc import futures
-from rrpc.pool import ElasticThreads, WorkerPool
+from rrpc.pool import ElasticThreads, HandOnThreads, WorkerPool
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -122,3 +123,96 @@ def test_run_inline_refuses_while_a_submitted_request_has_not_started():
     assert ran == ["queued"]
     assert pool.run_inline(ran.append, "inline") is True  # nothing waits: it runs here
     assert ran == ["queued", "inline"]
+
+
+# -- HandOnThreads: the callback pool -----------------------------------------------
+NEVER = 3600.0  # a grow_after the watch never reaches within a test
+
+
+def _names(threads):
+    return sorted(thread.name for thread in threads._threads)
+
+
+def test_a_burst_runs_on_one_thread_in_order_waking_nobody_else():
+    threads = HandOnThreads("rrpc-test-handon", _run, grow_after=NEVER)
+    gate, ran, done = threading.Event(), [], threading.Event()
+    threads.put_or_grow((gate.wait, (WAIT,)))
+    for i in range(50):  # queued behind the first task, its runner at work
+        threads.put_or_grow((lambda i=i: ran.append((i, threading.current_thread().name)), ()))
+    threads.put_or_grow((done.set, ()))
+    gate.set()
+    assert done.wait(WAIT)
+    threads.stop(WAIT)
+    assert [i for i, _ in ran] == list(range(50))
+    assert {name for _, name in ran} == {"rrpc-test-handon-0"}  # one runner, no other thread
+    assert threads._watcher is not None  # it looked, and found the queue moving
+
+
+def test_a_task_blocked_on_a_task_queued_behind_it_gets_the_queue_taken_on_by_the_watch():
+    threads = HandOnThreads("rrpc-test-handon", _run, grow_after=0.002)
+    produced, consumed = threading.Event(), threading.Event()
+    threads.put_or_grow((lambda: consumed.set() if produced.wait(WAIT) else None, ()))
+    threads.put_or_grow((produced.set, ()))  # behind a runner blocked on a plain Event
+    assert consumed.wait(WAIT)
+    threads.stop(WAIT)
+
+
+def test_a_task_waiting_for_an_rpc_hands_the_queue_on_at_once():
+    # The watch never looks in time: only the blocking hook can save the queue.
+    threads = HandOnThreads("rrpc-test-handon", _run, grow_after=NEVER)
+    produced, consumed = threading.Event(), threading.Event()
+    gate = threading.Event()
+
+    def waits_for_an_rpc():
+        gate.wait(WAIT)  # until the producer is queued behind it
+        # As an rpc_sync inside a callback: futures.blocking calls the pool's hook.
+        if futures.blocking(produced.wait, WAIT):
+            consumed.set()
+
+    threads.put_or_grow((waits_for_an_rpc, ()))
+    threads.put_or_grow((produced.set, ()))
+    gate.set()
+    assert consumed.wait(WAIT)
+    threads.stop(WAIT)
+
+
+def test_with_nothing_queued_a_blocking_task_starts_no_thread():
+    threads = HandOnThreads("rrpc-test-handon", _run, grow_after=NEVER)
+    waited = threading.Event()
+    threads.put_or_grow((lambda: waited.set() if futures.blocking(lambda: True) else None, ()))
+    assert waited.wait(WAIT)
+    threads.stop(WAIT)
+    assert _names(threads) == []
+
+
+def test_idle_runners_end_after_idle_exit_and_a_later_put_starts_another():
+    threads = HandOnThreads("rrpc-test-handon", _run, grow_after=NEVER, idle_exit=0.05)
+    ran = []
+    done = threading.Event()
+    threads.put_or_grow((lambda: (ran.append(threading.current_thread()), done.set()), ()))
+    assert done.wait(WAIT)
+    first = ran[0]
+    first.join(WAIT)  # parked, then ended after idle_exit with nothing to do
+    assert not first.is_alive() and first not in threads._threads
+    done.clear()
+    threads.put_or_grow((lambda: (ran.append(threading.current_thread()), done.set()), ()))
+    assert done.wait(WAIT)
+    assert ran[1] is not first
+    threads.stop(WAIT)
+    ran[1].join(WAIT)
+    assert not ran[1].is_alive()
+
+
+def test_stop_ends_parked_runners_and_the_watch():
+    threads = HandOnThreads("rrpc-test-handon", _run, grow_after=0.002)
+    gate, done = threading.Event(), threading.Event()
+    threads.put_or_grow((gate.wait, (WAIT,)))
+    threads.put_or_grow((done.set, ()))  # queued: the watch starts, and adds a runner
+    assert done.wait(WAIT)
+    gate.set()
+    started = list(threads._threads)
+    assert any(thread.name == "rrpc-test-handon-watch" for thread in started)
+    threads.stop(WAIT)
+    for thread in started:
+        thread.join(WAIT)
+        assert not thread.is_alive()
