@@ -159,9 +159,7 @@ class Channel:
             put([wire.with_bulk(pieces[0], transfer)])
         return True
 
-    def _write(self) -> None:
-        sock = self._sock
-        assert sock is not None
+    def _write(self, sock: socket.socket) -> None:
         while True:
             with self._lock:
                 self._lock.wait_for(lambda: self._outgoing or self.error is not None)
@@ -216,9 +214,7 @@ class Channel:
             )
         return buffers
 
-    def _read(self) -> None:
-        sock = self._sock
-        assert sock is not None
+    def _read(self, sock: socket.socket) -> None:
         head = bytearray(_TRANSFER.size)
         try:
             while True:
@@ -305,8 +301,11 @@ class Channel:
             self._sock, self.bound = sock, True
             self._progress = time.monotonic()
             self._lock.notify_all()
+        # The socket is passed on: ``close`` may take it off the channel before they run.
         for target, role in ((self._read, "recv"), (self._write, "send")):
-            threading.Thread(target=target, name=self._threads.format(role), daemon=True).start()
+            threading.Thread(
+                target=target, args=(sock,), name=self._threads.format(role), daemon=True
+            ).start()
         return True
 
     def _break(self, error: BaseException) -> None:
