@@ -147,10 +147,6 @@ class ElasticThreads:
                 thread.join(max(0.0, deadline - time.monotonic()))
 
 
-def _nothing() -> None:
-    pass
-
-
 class HandOnThreads:
     """Threads that run tasks from one queue, few at a time: the callback pool.
 
@@ -163,7 +159,9 @@ class HandOnThreads:
     runner: another runner is added
 
     - at once, when a running task waits for an RPC (``futures.blocking``
-      calls ``hand_on`` through ``this_thread.blocking_hooks``), and
+      calls ``_blocked`` through ``this_thread.blocking_hooks``; while it
+      waits, the task's thread does not count as a runner, so a put wakes
+      another, as the completion its task waits for may be queued here), and
     - by the *watch* thread, when tasks are queued and none has started for
       ``grow_after`` seconds (a task blocked on a lock, an event, a sleep).
       The watch sleeps unless tasks are queued behind busy runners, and then
@@ -201,7 +199,7 @@ class HandOnThreads:
         self._stopped = False
         self._numbers = itertools.count()
         self._threads: set[threading.Thread] = set()
-        self._hooks = (self.hand_on, _nothing)
+        self._hooks = (self._blocked, self._unblocked)
 
     def put_or_grow(self, task: Any) -> None:
         """Queue ``task``; wake or start a runner if none is at work."""
@@ -216,12 +214,19 @@ class HandOnThreads:
         if thread is not None:
             thread.start()
 
-    def hand_on(self) -> None:
-        """The calling runner is about to block: another takes the queue on."""
+    def _blocked(self) -> None:
+        """The calling runner waits for an RPC: it stops counting as one (a
+        put then wakes another), and another takes the queue on now."""
         with self._lock:
+            self._runners -= 1
             thread = self._add_runner() if self._tasks else None
         if thread is not None:
             thread.start()
+
+    def _unblocked(self) -> None:
+        """The wait is over: a runner again, until its task is done."""
+        with self._lock:
+            self._runners += 1
 
     def queued(self) -> int:
         """Tasks queued and not taken yet."""

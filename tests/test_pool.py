@@ -216,3 +216,24 @@ def test_stop_ends_parked_runners_and_the_watch():
     for thread in started:
         thread.join(WAIT)
         assert not thread.is_alive()
+
+
+def test_a_task_waiting_for_an_rpc_does_not_hold_back_a_task_put_while_it_waits():
+    # Its completion may itself be a queued task (a then() chain's): a put made
+    # while the only runner waits must wake another at once, not after the watch.
+    threads = HandOnThreads("rrpc-test-handon", _run, grow_after=NEVER)
+    waiting, produced, consumed = threading.Event(), threading.Event(), threading.Event()
+
+    def waits_for_an_rpc():
+        def wait():
+            waiting.set()
+            return produced.wait(WAIT)
+
+        if futures.blocking(wait):
+            consumed.set()
+
+    threads.put_or_grow((waits_for_an_rpc, ()))
+    assert waiting.wait(WAIT)  # blocked, with nothing queued behind it
+    threads.put_or_grow((produced.set, ()))
+    assert consumed.wait(WAIT)
+    threads.stop(WAIT)
