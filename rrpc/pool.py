@@ -51,10 +51,10 @@ class ElasticThreads:
     about to), and ``_promised`` tasks queued by a growing put are owed one of
     them; ``put_or_grow`` finds a thread free when ``_waiting > _promised``,
     and otherwise starts one. A thread that took a task pays a promise back
-    if one is owed. Exact when every put grows (the callback pool); a
-    non-growing put may make a growing one see a free thread that is about
-    to take the other task (the worker pool's owner checks again when a
-    request blocks: ``grow_if_queued``).
+    if one is owed. Exact when every put grows; a non-growing put may make
+    a growing one see a free thread that is about to take the other task
+    (the worker pool, its one owner, checks again when a request blocks:
+    ``grow_if_queued``).
     """
 
     def __init__(
