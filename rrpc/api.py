@@ -143,7 +143,9 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
     or raises within T plus at most 1 s, beside a frozen peer or store too
     (past T only the barrier's last look at who is missing, up to 0.5 s, the
     run's threads finishing, up to 0.25 s, and leaving the store, up to
-    0.25 s; with a store that answers and nothing left running, milliseconds).
+    0.25 s, or 0.5 s on the store's host, which keeps the store 0.25 s for
+    ranks that have not left it yet; with a store that answers and nothing
+    left running, milliseconds).
     """
     with _lock:
         agent = agent_module._current

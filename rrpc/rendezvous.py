@@ -53,6 +53,10 @@ REQUEST_LIMIT = 10.0
 DEADLINE_LOOK = 0.5
 PROBE_LIMIT = 2.0  # seconds a barrier's probe of the missing ranks (``gone``) may take
 LEAVE_GRACE = 0.25  # seconds leaving the store may take past its timeout (a round trip or two)
+# Seconds the store's host keeps the store, at least, for ranks that have not
+# left it: ranks that began shutdown a moment after the host reach their
+# barrier's deadline, and its last look, that moment later.
+HOST_STAYS = 0.25
 
 
 class StoreUnreachableError(RpcError, ConnectionError):
@@ -418,9 +422,10 @@ class Rendezvous:
                 arrived = self.request(f"barrier {tag!r}", lambda: store.add(counter, 0), limit())
 
     def close(self, timeout: float = 10.0) -> None:
-        """Leave; the host keeps the store until every rank has left it. Takes
-        at most ``timeout`` seconds plus ``LEAVE_GRACE`` (a store that does
-        not answer is given up then; that is logged)."""
+        """Leave; the host keeps the store until every rank has left it, for
+        ``timeout`` seconds but at least ``HOST_STAYS``. Takes at most that
+        plus ``LEAVE_GRACE`` (a store that does not answer is given up then;
+        that is logged)."""
         store = self.store
         del self.store
         if self.world_size is None:
@@ -433,11 +438,12 @@ class Rendezvous:
             store.set(f"{self.prefix}left/{self.rank}", "1")
             if self.hosting:
                 try:
-                    store.wait(keys, timedelta(seconds=max(0.001, timeout)))
+                    store.wait(keys, timedelta(seconds=stays))
                 except Exception:
                     pass  # a peer that died cannot leave; the store goes anyway
 
-        limit = timeout + LEAVE_GRACE if self.hosting else min(REQUEST_LIMIT, timeout + LEAVE_GRACE)
+        stays = max(timeout, HOST_STAYS)
+        limit = stays + LEAVE_GRACE if self.hosting else min(REQUEST_LIMIT, timeout + LEAVE_GRACE)
         try:
             self.request("leaving", leave, limit)
         except StoreUnreachableError:

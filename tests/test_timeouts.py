@@ -18,7 +18,7 @@ from datetime import timedelta
 import pytest
 
 import rrpc
-from harness import WorkerGroup, mp_context
+from harness import WorkerGroup, mp_context, run_workers
 from harness import outcome as _outcome
 
 SLACK = 1.0  # seconds past its timeout by which every call below has returned or raised
@@ -110,6 +110,42 @@ def test_shutdown_beside_a_frozen_peer_ends_within_its_timeout(frozen_peer, rank
     if "type" in seen:  # it may also pass, with worker1 confirmed gone
         assert seen["type"] == "RpcError", seen
         assert "rank(s) [1] of world_size 3 never arrived" in seen["message"], seen
+
+
+def _barrier_a_moment_after_the_host(rank, world_size, ready, go):
+    # Ranks 0 (the store's host) and 1 of a world of 3; rank 2 never comes. As
+    # two shutdowns begun a moment apart: rank 1's deadline is 50 ms after the
+    # host's, and the host leaves (and its process ends) as soon as its own
+    # barrier gave up. Rank 1's barrier must still see who is missing.
+    from rrpc.rendezvous import Rendezvous
+
+    rendezvous = Rendezvous(rank, 3, "127.0.0.1", int(os.environ["MASTER_PORT"]), timeout=30)
+    if rank == 1:
+        ready.set()
+    else:
+        assert ready.wait(30)  # both connected
+        go.set()
+    assert go.wait(30)
+    try:
+        rendezvous.barrier("shutdown", 0.5 + 0.05 * rank)
+        seen = None
+    except rrpc.RpcError as exc:
+        seen = str(exc)
+    rendezvous.close(timeout=0)
+    return seen
+
+
+def test_a_rank_whose_barrier_ends_a_moment_after_the_hosts_still_finds_the_store():
+    # Seen in full-suite runs: worker2 of the frozen-peer world above raised
+    # "the rendezvous store ... is unreachable" when worker0 (the host) left first.
+    seen = run_workers(
+        _barrier_a_moment_after_the_host,
+        args=(mp_context.Event(), mp_context.Event()),
+        init=False,
+        timeout=60,
+    )
+    for rank in (0, 1):
+        assert seen[rank] is not None and "rank(s) [2] of world_size 3 never arrived" in seen[rank]
 
 
 # -- A frozen store ----------------------------------------------------------------
