@@ -228,10 +228,6 @@ class HandOnThreads:
         with self._lock:
             self._runners += 1
 
-    def queued(self) -> int:
-        """Tasks queued and not taken yet."""
-        return len(self._tasks)
-
     def _add_runner(self) -> threading.Thread | None:
         """With ``_lock`` held: wake the parked thread idle the shortest, or
         make a new one (returned, for the caller to start once it released

@@ -433,6 +433,7 @@ class Rendezvous:
         if self._store_lost:
             return  # the barrier logged it; nobody waits for this rank's word
         keys = [key for rank, key in enumerate(self._keys("left")) if rank not in self._gone]
+        stays = max(timeout, HOST_STAYS)
 
         def leave() -> None:
             store.set(f"{self.prefix}left/{self.rank}", "1")
@@ -442,7 +443,6 @@ class Rendezvous:
                 except Exception:
                     pass  # a peer that died cannot leave; the store goes anyway
 
-        stays = max(timeout, HOST_STAYS)
         limit = stays + LEAVE_GRACE if self.hosting else min(REQUEST_LIMIT, timeout + LEAVE_GRACE)
         try:
             self.request("leaving", leave, limit)

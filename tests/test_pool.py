@@ -181,6 +181,9 @@ def test_with_nothing_queued_a_blocking_task_starts_no_thread():
     waited = threading.Event()
     threads.put_or_grow((lambda: waited.set() if futures.blocking(lambda: True) else None, ()))
     assert waited.wait(WAIT)
+    # The runner, parked now, is the only thread it ever had (one that _blocked
+    # started would be here too, parked: nothing ends before idle_exit).
+    assert _names(threads) == ["rrpc-test-handon-0"]
     threads.stop(WAIT)
     assert _names(threads) == []
 
