@@ -340,13 +340,47 @@ def main_fingerprint() -> str:
     return _main_fingerprint
 
 
+# What the pickler saves by name: saving it makes no object that could run code when freed.
+_BY_NAME = (types.FunctionType, types.BuiltinFunctionType, type, types.ModuleType)
+
+
 class _FastPickler(pickle.Pickler):
     grad_tensors: list[torch.Tensor] | None = None
+    # Whether this dump reduced an object (its memo may hold the only
+    # reference to what the reduction made): see ``_clear_memo``.
+    reduced = False
 
     def reducer_override(self, obj: Any) -> Any:
-        if _pickled_by_value(obj):
-            raise _NeedsCloudpickle
+        if isinstance(obj, _BY_NAME):
+            if _pickled_by_value(obj):
+                raise _NeedsCloudpickle
+            return NotImplemented
+        self.reduced = True
         return _reduce_tensor(self, obj)
+
+
+def _clear_memo(pickler: _FastPickler) -> None:
+    """Empty a reused pickler's memo without letting the garbage collector see freed objects.
+
+    CPython 3.11's ``clear_memo`` releases the memo's objects one by one and
+    empties the table only at the end, while the pickler stays tracked by
+    the collector, which walks the table. The memo may hold the only
+    reference to what a reduction made (a sparse tensor's parts, a
+    ``__reduce__``'s temporaries); freeing a tensor releases the GIL, so
+    another thread may collect meanwhile and walk the entries already freed:
+    the process crashes (seen as a SIGSEGV "Garbage-collecting" under the
+    fuzz suite's concurrent replies). So after a dump that reduced anything,
+    the memo's objects are held elsewhere while it is cleared, and freed
+    afterwards from a dict that the collector no longer tracks while it dies.
+    A dump of only functions, names and plain containers of the message
+    (a call's ``(func, args, kwargs)``) frees nothing that runs code: no copy."""
+    if pickler.reduced:
+        pickler.reduced = False
+        held = pickler.memo.copy()
+        pickler.clear_memo()
+        del held
+    else:
+        pickler.clear_memo()
 
 
 by_value.remember_submodules()  # cloudpickle's slow lookup, once per function's code
@@ -421,7 +455,7 @@ def dumps(
                     scratch.out.seek(0)
                     scratch.out.truncate()
                     scratch.buffers.clear()
-                    scratch.pickler.clear_memo()
+                    _clear_memo(scratch.pickler)
                 scratch.busy = False
         else:
             try:

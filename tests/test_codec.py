@@ -555,6 +555,55 @@ def test_a_bytearray_in_a_payload_still_arrives_whole():
     assert restricted.guarded(pickle.loads, plain) is pickle.loads
 
 
+# -- The reused pickler's memo, emptied with nothing freed inside it --------------------
+# CPython 3.11's clear_memo frees the memo's objects one by one while the
+# pickler, still tracked by the garbage collector, keeps the freed ones in its
+# table until the end. A freed object that runs code or releases the GIL (a
+# tensor) let another thread collect meanwhile and walk them: worker1 of the
+# fuzz suite died of SIGSEGV "Garbage-collecting" about once in 20-60 runs.
+_freed_while_clearing: list[bool] = []
+_clearing = threading.Event()
+
+
+class _Temporary:
+    """Made by a reduction, so only the pickler's memo holds it once pickled."""
+
+    def __del__(self):
+        _freed_while_clearing.append(_clearing.is_set())
+
+
+def _unused(*args):
+    return None
+
+
+class _ReducesToATemporary:
+    def __reduce__(self):
+        return _unused, (_Temporary(),)
+
+
+def test_nothing_a_reduction_made_is_freed_inside_the_reused_picklers_clear_memo(monkeypatch):
+    clear_memo = pickle.Pickler.clear_memo
+
+    def watched(pickler):
+        _clearing.set()
+        try:
+            clear_memo(pickler)
+        finally:
+            _clearing.clear()
+
+    monkeypatch.setattr(codec._FastPickler, "clear_memo", watched)
+    _freed_while_clearing.clear()
+    for message in [
+        (_ReducesToATemporary(),),
+        (_ReducesToATemporary(), torch.ones(3).to_sparse(), torch.ones(2, 2).to_sparse_csr()),
+        (_unused, (), {}),  # a call of a function: reduces nothing, and frees nothing either
+    ]:
+        payload, buffers, _ = codec.dumps(message)
+        assert len(pickle.loads(payload, buffers=buffers)) == len(message)
+    # Each temporary (and each copy unpickled here) was freed, none inside clear_memo.
+    assert len(_freed_while_clearing) == 4 and not any(_freed_while_clearing)
+
+
 # -- Code pickled by value: cloudpickle's slow lookup, remembered ----------------------
 def test_cloudpickle_remembers_submodules_per_code_and_asks_again_when_modules_change():
     import concurrent.futures
