@@ -179,6 +179,8 @@ class Rendezvous:
         self.prefix = f"rrpc/{restart}/{next(_generations)}/"
         self._gone: set[int] = set()  # ranks found dead at a barrier: nobody waits for them
         self._store_lost = False  # a barrier found the store gone: leaving it would wait in vain
+        # Who a barrier's last look that the store answered found missing (None: no look yet).
+        self._absent: list[int] | None = None
         self.hosting = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
         # init_rpc's rendezvous ends by this, or by a store request's last look past it.
         self.deadline = time.monotonic() + timeout
@@ -336,6 +338,7 @@ class Rendezvous:
             return
         if timeout > 0:
             deadline = min(deadline, time.monotonic() + timeout)
+        self._absent = None
         try:
             self._barrier(tag, timeout, gone, suspects, deadline)
         except (dist.DistError, ConnectionError) as exc:
@@ -354,6 +357,16 @@ class Rendezvous:
                     tag,
                 )
                 return
+            if self._absent:
+                # The store went while ranks were missing: most often its host
+                # gave up on them at its own deadline, a moment before this
+                # rank's. Who never arrived is the news; the store's end, why
+                # this barrier cannot wait for them any longer.
+                raise RpcError(
+                    f"barrier {tag!r}: rank(s) {self._absent} of world_size {self.world_size} "
+                    f"never arrived (at the last look), and then the rendezvous store at "
+                    f"{self.where} became unreachable ({exc})"
+                ) from exc
             raise RpcError(
                 f"barrier {tag!r}: the rendezvous store at {self.where} is unreachable "
                 f"({exc}), and some ranks of world_size {self.world_size} still answer"
@@ -380,11 +393,12 @@ class Rendezvous:
 
         def missing() -> list[int]:
             keys = self._keys(tag)
-            return self.request(
+            self._absent = self.request(
                 f"barrier {tag!r}",
                 lambda: [rank for rank, key in enumerate(keys) if not store.check([key])],
                 limit(),
             )
+            return self._absent
 
         counter = f"{self.prefix}{tag}/arrived"
         arrived = self.request(f"barrier {tag!r}", arrive, limit())

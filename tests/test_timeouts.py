@@ -112,11 +112,13 @@ def test_shutdown_beside_a_frozen_peer_ends_within_its_timeout(frozen_peer, rank
         assert "rank(s) [1] of world_size 3 never arrived" in seen["message"], seen
 
 
-def _barrier_a_moment_after_the_host(rank, world_size, ready, go):
+def _barrier_a_moment_after_the_host(rank, world_size, ready, go, later):
     # Ranks 0 (the store's host) and 1 of a world of 3; rank 2 never comes. As
-    # two shutdowns begun a moment apart: rank 1's deadline is 50 ms after the
-    # host's, and the host leaves (and its process ends) as soon as its own
-    # barrier gave up. Rank 1's barrier must still see who is missing.
+    # two shutdowns begun a moment apart: rank 1's deadline is ``later`` s after
+    # the host's, and the host leaves (and its process ends) as soon as its own
+    # barrier gave up. Rank 1's barrier must still say who is missing: the host
+    # stays HOST_STAYS for it, and past that its last look before the deadline
+    # says it (both probe rank 2 as shutdown does: it is a suspect, and alive).
     from rrpc.rendezvous import Rendezvous
 
     rendezvous = Rendezvous(rank, 3, "127.0.0.1", int(os.environ["MASTER_PORT"]), timeout=30)
@@ -127,7 +129,9 @@ def _barrier_a_moment_after_the_host(rank, world_size, ready, go):
         go.set()
     assert go.wait(30)
     try:
-        rendezvous.barrier("shutdown", 0.5 + 0.05 * rank)
+        rendezvous.barrier(
+            "shutdown", 0.5 + later * rank, gone=lambda ranks, limit: False, suspects={2}
+        )
         seen = None
     except rrpc.RpcError as exc:
         seen = str(exc)
@@ -135,12 +139,13 @@ def _barrier_a_moment_after_the_host(rank, world_size, ready, go):
     return seen
 
 
-def test_a_rank_whose_barrier_ends_a_moment_after_the_hosts_still_finds_the_store():
+@pytest.mark.parametrize("later", [0.05, 1.0], ids=["while-the-host-stays", "after-it-left"])
+def test_a_rank_whose_barrier_ends_after_the_hosts_still_says_who_never_arrived(later):
     # Seen in full-suite runs: worker2 of the frozen-peer world above raised
     # "the rendezvous store ... is unreachable" when worker0 (the host) left first.
     seen = run_workers(
         _barrier_a_moment_after_the_host,
-        args=(mp_context.Event(), mp_context.Event()),
+        args=(mp_context.Event(), mp_context.Event(), later),
         init=False,
         timeout=60,
     )
