@@ -24,7 +24,10 @@ Rules:
   message per owner, naming every fork let go meanwhile: a loop that drops an
   RRef per iteration then costs the owner one message per few iterations, not
   one each. Nothing else waits (a delete frees, it never unblocks a caller),
-  and a drain sends what is held at once.
+  and a drain sends what is held at once. Drops made while DELETEs are held
+  do not wake the sender thread either: it takes them when the delay ends (a
+  loop that drops an RRef per iteration wakes it once per delay, not per
+  drop; each wake is a thread switch and a turn at the GIL the caller waits for).
 - Protocol messages have no timeout: the protocol is only correct if each is
   answered. A dead peer fails them at once (the agent notices), and a graceful
   shutdown waits for them (``RRefService.drain``).
@@ -45,6 +48,7 @@ that comes back to its owner unpickles as the very same object.
 
 from __future__ import annotations
 
+import collections
 import functools
 import gc
 import itertools
@@ -123,6 +127,12 @@ class RRefService:
         self._held_deletes: dict[int, list[tuple[RRefId, ForkId]]] = {}
         self._held_since = 0.0
         self.events: queue.SimpleQueue = queue.SimpleQueue()
+        # Forks dropped and not yet taken by the sender thread; it is woken
+        # for them only when it is not lingering over held DELETEs (it takes
+        # them when the linger ends). Appended from any thread: a deque's
+        # append is atomic, and takes no lock a collection could interrupt.
+        self._drops: collections.deque[ForkId] = collections.deque()
+        self._lingering = False
         self.released: set[ForkId] = set()  # forks let go of by release_user_forks
         self.running = True
         self._sender = threading.Thread(
@@ -135,7 +145,9 @@ class RRefService:
 
     def dropped(self, fork_id: ForkId) -> None:
         """A user RRef is gone (its ``__del__``): only queued, for the sender thread."""
-        self.events.put((_DROP, fork_id))
+        self._drops.append(fork_id)
+        if not self._lingering:  # read after the append: see _run_sender
+            self.events.put((_DROP, None))
 
     # -- Sending -----------------------------------------------------------------
     def post(self, sends: list[Send]) -> None:
@@ -145,34 +157,47 @@ class RRefService:
     def _run_sender(self) -> None:
         while True:
             if self._held_deletes:
+                # Lingering: drops made meanwhile wait for its end, unannounced.
+                self._lingering = True
                 linger = self._held_since + self.delete_delay - time.monotonic()
                 try:
                     event = self.events.get(timeout=max(0.0, linger))
                 except queue.Empty:
-                    self._send_deletes()
-                    continue
+                    event = (_FLUSH, None)  # the linger is over: take the drops, send
             else:
-                event = self.events.get()
+                # Cleared before the deque is looked at, and ``dropped`` reads it
+                # after its append: a drop is either seen here or announced.
+                self._lingering = False
+                event = (_DROP, None) if self._drops else self.events.get()
             if event is None:
                 return
             what, item = event
             try:
                 if what == _DROP:
-                    with self.lock:
-                        if item in self.released:  # let go of at leave already
-                            self.released.discard(item)
-                            continue
-                        sends = self.users.dropped(item)
-                    self._send_all(sends)
+                    self._take_drops()
                 elif what == _SEND:
                     self._send_all(item)
-                else:  # _FLUSH: everything queued before it is sent
+                else:  # _FLUSH: everything dropped or queued before it is sent
+                    self._take_drops()
                     self._send_deletes()
-                    item.set()
+                    if item is not None:
+                        item.set()
                 if self._held_deletes and not self.delete_delay:
                     self._send_deletes()
             except Exception:
                 log.exception("rrpc: RRef protocol event %s %s failed", what, item)
+
+    def _take_drops(self) -> None:
+        while self._drops:
+            fork_id = self._drops.popleft()
+            with self.lock:
+                if fork_id in self.released:  # let go of at leave already
+                    self.released.discard(fork_id)
+                    continue
+                sends = self.users.dropped(fork_id)
+            self._send_all(sends)
+            if not self.delete_delay:  # switched off: a DELETE per drop, at once
+                self._send_deletes()
 
     def _send_deletes(self) -> None:
         held, self._held_deletes = self._held_deletes, {}
