@@ -91,7 +91,7 @@ def _run_callback(task: tuple[Callable[..., Any], tuple]) -> None:
 
 # Threads for user callbacks handed off a transport thread: one drains the
 # queue, another is added when a callback waits for an RPC or the queue stands
-# still for 2 ms (a callback may block on another callback's work); each ends
+# still for 10 ms (a callback may block on another callback's work); each ends
 # after _IDLE_EXIT s idle. Process-wide: no thread until a callback needs one.
 callbacks = pool.HandOnThreads("rrpc-callback", _run_callback, idle_exit=_IDLE_EXIT)
 

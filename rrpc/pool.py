@@ -19,6 +19,7 @@ import collections
 import itertools
 import logging
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -164,8 +165,13 @@ class HandOnThreads:
       another, as the completion its task waits for may be queued here), and
     - by the *watch* thread, when tasks are queued and none has started for
       ``grow_after`` seconds (a task blocked on a lock, an event, a sleep).
-      The watch sleeps unless tasks are queued behind busy runners, and then
-      looks every ``grow_after``.
+      That is two of the interpreter's GIL switch intervals (10 ms) by
+      default: a runner that only waits for the GIL, behind a thread that
+      keeps it (a caller issuing calls in a loop), gets it within one, and
+      is not blocked. The watch looks every ``grow_after`` while tasks are
+      queued behind busy runners, and ``LINGER`` looks more after they
+      were not, then sleeps: under a steady stream of replies a put finds it
+      looking already and wakes nobody.
 
     Runners that find the queue empty park (each on its own lock, so that a
     put wakes exactly one, the one idle the shortest) and end after
@@ -177,16 +183,18 @@ class HandOnThreads:
     watch's measure of progress); ``_watching`` (the watch looks).
     """
 
+    LINGER = 10  # looks at an empty queue before the watch sleeps
+
     def __init__(
         self,
         name: str,
         run: Callable[[Any], None],
-        grow_after: float = 0.002,
+        grow_after: float | None = None,
         idle_exit: float = 30.0,
     ):
         self._name = name
         self._run_task = run
-        self._grow_after = grow_after
+        self._grow_after = 2 * sys.getswitchinterval() if grow_after is None else grow_after
         self._idle_exit = idle_exit
         self._lock = threading.Lock()
         self._watch = threading.Condition(self._lock)
@@ -283,16 +291,22 @@ class HandOnThreads:
             del task
 
     def _watch_queue(self) -> None:
+        idle_looks = 0  # looks in a row that found nothing queued
         with self._lock:
             while not self._stopped:
                 if not self._watching:
                     self._watch.wait()
                     continue
-                seen = self._started
+                seen, queued = self._started, bool(self._tasks)
                 self._watch.wait(self._grow_after)
                 if not self._tasks:
-                    self._watching = False
-                elif self._started == seen and not self._stopped:
+                    idle_looks += 1
+                    if idle_looks > self.LINGER:
+                        self._watching, idle_looks = False, 0
+                    continue
+                idle_looks = 0
+                # Queued for a whole look, and nothing started meanwhile.
+                if queued and self._started == seen and not self._stopped:
                     thread = self._add_runner()  # the queue stood still: a runner is blocked
                     if thread is not None:
                         thread.start()  # under the lock: the new thread needs it only later

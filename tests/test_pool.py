@@ -240,3 +240,33 @@ def test_a_task_waiting_for_an_rpc_does_not_hold_back_a_task_put_while_it_waits(
     threads.put_or_grow((produced.set, ()))
     assert consumed.wait(WAIT)
     threads.stop(WAIT)
+
+
+def test_the_watch_lingers_so_that_bursts_soon_after_each_other_wake_it_once():
+    # Under a steady stream of replies the queue empties and fills again all
+    # the time; each time the watch had gone to sleep, a put had to wake it.
+    threads = HandOnThreads("rrpc-test-handon", _run, grow_after=0.001)
+    starts, looks = [], threading.Semaphore(0)
+    start_watching, wait = threads._start_watching, threads._watch.wait
+
+    def counted_start():
+        starts.append(1)
+        return start_watching()
+
+    def counted_wait(timeout=None):
+        if timeout is not None:
+            looks.release()  # one look at the queue
+        return wait(timeout)
+
+    threads._start_watching = counted_start
+    threads._watch.wait = counted_wait
+    for _ in range(2):
+        gate, done = threading.Event(), threading.Event()
+        threads.put_or_grow((gate.wait, (WAIT,)))
+        threads.put_or_grow((done.set, ()))  # queued behind a busy runner: the watch looks
+        gate.set()
+        assert done.wait(WAIT)
+        for _ in range(3):  # it looks on at an empty queue (LINGER looks)
+            assert looks.acquire(timeout=WAIT)
+    assert len(starts) == 1
+    threads.stop(WAIT)
