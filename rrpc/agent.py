@@ -245,6 +245,11 @@ class Agent:
         """A tensor over a shared-memory slot that peer ``rank`` sent on its
         stream: only in that peer's own pool (see shm's rules)."""
         peer = self.peers.get(rank)  # looked up if it joined after this one
+        if peer is None and not self.ready.is_set():
+            # A peer that finished init_rpc first may send before this worker
+            # has added it (as ``dispatch.on_request`` waits for the run's functions).
+            self.ready.wait(self.options.init_timeout)
+            peer = self.peers.get(rank)
         if peer is None or peer.source is None:
             raise ValueError(f"rank {rank} sent a shared-memory buffer but shares no memory here")
         return peer.source(shared)

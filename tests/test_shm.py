@@ -246,3 +246,55 @@ def test_a_worker_that_returns_what_it_was_sent_makes_no_slot_and_the_caller_kee
     same, narrowed, slots = run_workers(_echoes_returned, env={"RRPC_SHM": "1"})[0]
     assert same and narrowed
     assert slots == 0  # worker1 replied with the caller's own slots, copied nothing
+
+
+# -- A tensor sent before its receiver has finished init_rpc ---------------------
+def _sum(tensor):
+    return float(tensor.sum())
+
+
+def _sent_before_the_callee_knows_the_caller(rank, world_size, sent):
+    # Seen in `make bench` (parameter server): a trainer's first update, 4 MiB
+    # through shared memory, reached the server while it was still adding its
+    # peers; the lane's reader found no peer for the slot and broke the lane.
+    import threading
+
+    from rrpc.agent import Agent
+
+    if rank == 1:  # the callee: adds its peers only once the caller's frame is being read
+        add_peer, attach_from = Agent.add_peer, Agent.attach_from
+        attaching = threading.Event()
+
+        def late_add_peer(self, *args):
+            assert sent.wait(30)
+            attaching.wait(10)  # the frame with the slot is being read (or never will be)
+            return add_peer(self, *args)
+
+        def noted_attach_from(self, *args):
+            attaching.set()
+            return attach_from(self, *args)
+
+        Agent.add_peer, Agent.attach_from = late_add_peer, noted_attach_from
+    rrpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size)
+    result = None
+    if rank == 0:
+        tensor = torch.ones(MiB)  # 4 MiB: a slot
+        future = rrpc.rpc_async("worker1", _sum, args=(tensor,))
+        sent.set()
+        result = future.wait()
+    else:
+        sent.wait(30)
+    rrpc.shutdown()
+    return result
+
+
+def test_a_tensor_sent_before_its_callee_has_added_its_caller_arrives():
+    from harness import mp_context
+
+    result = run_workers(
+        _sent_before_the_callee_knows_the_caller,
+        args=(mp_context.Event(),),
+        init=False,
+        env={"RRPC_SHM": "1"},
+    )
+    assert result[0] == float(MiB)
