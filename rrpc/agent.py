@@ -467,7 +467,7 @@ class Agent:
             settle(pending.future, error=exc)
             return True
         if envelope.kind == ERROR:
-            settle(pending.future, error=codec.rebuild_remote_exception(value, self.unpickle))
+            settle(pending.future, error=messages.rebuild_remote_exception(value, self.unpickle))
         else:
             settle(pending.future, value)
         return True

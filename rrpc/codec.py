@@ -42,7 +42,6 @@ import io
 import pickle
 import sys
 import threading
-import traceback
 import types
 from collections.abc import Callable
 from typing import Any
@@ -55,7 +54,6 @@ from rrpc import by_value, restricted
 from rrpc._proto.rrpc_pb2 import Envelope
 from rrpc.messages import (
     MessageTooLargeError,
-    RemoteError,
     SerializationError,
 )
 from rrpc.shm import Placer
@@ -360,20 +358,14 @@ class _FastPickler(pickle.Pickler):
 
 
 def _clear_memo(pickler: _FastPickler) -> None:
-    """Empty a reused pickler's memo without letting the garbage collector see freed objects.
-
-    CPython 3.11's ``clear_memo`` releases the memo's objects one by one and
-    empties the table only at the end, while the pickler stays tracked by
-    the collector, which walks the table. The memo may hold the only
-    reference to what a reduction made (a sparse tensor's parts, a
-    ``__reduce__``'s temporaries); freeing a tensor releases the GIL, so
-    another thread may collect meanwhile and walk the entries already freed:
-    the process crashes (seen as a SIGSEGV "Garbage-collecting" under the
-    fuzz suite's concurrent replies). So after a dump that reduced anything,
-    the memo's objects are held elsewhere while it is cleared, and freed
-    afterwards from a dict that the collector no longer tracks while it dies.
-    A dump of only functions, names and plain containers of the message
-    (a call's ``(func, args, kwargs)``) frees nothing that runs code: no copy."""
+    """Empty a reused pickler's memo with nothing freed inside ``clear_memo``:
+    CPython 3.11's frees the entries one by one and empties its table (which
+    the collector walks) only at the end, and freeing a tensor releases the
+    GIL, so a collection on another thread meanwhile walked freed objects
+    (a SIGSEGV under the fuzz suite). The memo may hold the only reference to
+    what a reduction made (a sparse tensor's parts): after a dump that reduced
+    anything, a copy holds them while the memo is cleared, and they are freed
+    with it, a dict the collector stops tracking as it dies."""
     if pickler.reduced:
         pickler.reduced = False
         held = pickler.memo.copy()
@@ -575,45 +567,3 @@ def loads_waiting(
         _state.peer, _state.tensor_hook, _state.waits = previous
         frame.buffers = []  # the tensors hold them now: freed with the last of them
         frame.consumed()
-
-
-# -- Errors that travel ---------------------------------------------------------
-def remote_exception_payload(exc: BaseException, where: str) -> tuple:
-    """What an ERROR reply carries: the exception if it pickles, and always its text.
-
-    An error that came from another worker and is only passed on (a nested
-    call, a distributed backward's hop) keeps the traceback and the worker of
-    its origin: it is not formatted again at every hop."""
-    origin = getattr(exc, "remote_origin", None)
-    if origin is not None:
-        text, where = exc.remote_traceback, origin  # type: ignore[attr-defined]
-    else:
-        text = "".join(traceback.format_exception(exc))
-    try:
-        blob: bytes | None = pickle.dumps(exc)
-    except Exception:
-        blob = None
-    name = f"{type(exc).__module__}.{type(exc).__qualname__}"
-    return blob, name, str(exc), text, where
-
-
-def rebuild_remote_exception(payload: tuple, unpickle: Unpickle = pickle.loads) -> BaseException:
-    """The exception an ERROR reply carries (``unpickle``: as the reply's
-    payload was), else a ``RemoteError`` with its text; either with the
-    remote traceback attached."""
-    blob, name, message, text, where = payload
-    exc: BaseException | None = None
-    if blob is not None:
-        try:
-            exc = unpickle(blob)  # restricted mode: only safe classes
-        except Exception:
-            exc = None
-    if not isinstance(exc, BaseException):
-        exc = RemoteError(name, message, text)
-    if getattr(exc, "remote_origin", None) is not None:
-        return exc  # passed on by the peer: it has its origin's traceback and note already
-    exc.remote_traceback = text  # type: ignore[attr-defined]
-    exc.remote_origin = where  # type: ignore[attr-defined]
-    if hasattr(exc, "add_note"):  # Python 3.11+
-        exc.add_note(f"\nRemote traceback (on {where}):\n{text.rstrip()}")
-    return exc

@@ -165,7 +165,7 @@ class Dispatcher:
         respond(out.pieces)
 
     def _reply_error(self, exc: BaseException, peer: WorkerInfo, request_id: int, respond, rows):
-        payload = codec.remote_exception_payload(exc, self._agent.info.name)
+        payload = messages.remote_exception_payload(exc, self._agent.info.name)
         if getattr(exc, "remote_origin", None) is None:  # raised here, not passed on
             _, type_name, _, text, _ = payload
             logs.event(

@@ -10,10 +10,13 @@ message's delivery is known to its sender and shutdown can wait for them.
 from __future__ import annotations
 
 import contextlib
+import pickle
 import re
 import threading
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 # -- Message kinds -------------------------------------------------------------
 # Replies.
@@ -124,6 +127,50 @@ class RemoteError(RpcError):
     def __reduce__(self) -> tuple:
         args = (self.type_name, self.remote_message, self.remote_traceback)
         return type(self), args, self.__dict__
+
+
+# What an ERROR reply carries, and the exception rebuilt from it.
+def remote_exception_payload(exc: BaseException, where: str) -> tuple:
+    """What an ERROR reply carries: the exception if it pickles, and always its text.
+
+    An error that came from another worker and is only passed on (a nested
+    call, a distributed backward's hop) keeps the traceback and the worker of
+    its origin: it is not formatted again at every hop."""
+    origin = getattr(exc, "remote_origin", None)
+    if origin is not None:
+        text, where = exc.remote_traceback, origin  # type: ignore[attr-defined]
+    else:
+        text = "".join(traceback.format_exception(exc))
+    try:
+        blob: bytes | None = pickle.dumps(exc)
+    except Exception:
+        blob = None
+    name = f"{type(exc).__module__}.{type(exc).__qualname__}"
+    return blob, name, str(exc), text, where
+
+
+def rebuild_remote_exception(
+    payload: tuple, unpickle: Callable[[bytes], Any] = pickle.loads
+) -> BaseException:
+    """The exception an ERROR reply carries (``unpickle``: as the reply's
+    payload was), else a ``RemoteError`` with its text; either with the
+    remote traceback attached."""
+    blob, name, message, text, where = payload
+    exc: BaseException | None = None
+    if blob is not None:
+        try:
+            exc = unpickle(blob)  # restricted mode: only safe classes
+        except Exception:
+            exc = None
+    if not isinstance(exc, BaseException):
+        exc = RemoteError(name, message, text)
+    if getattr(exc, "remote_origin", None) is not None:
+        return exc  # passed on by the peer: it has its origin's traceback and note already
+    exc.remote_traceback = text  # type: ignore[attr-defined]
+    exc.remote_origin = where  # type: ignore[attr-defined]
+    if hasattr(exc, "add_note"):  # Python 3.11+
+        exc.add_note(f"\nRemote traceback (on {where}):\n{text.rstrip()}")
+    return exc
 
 
 # -- Per-thread call state -----------------------------------------------------
