@@ -122,7 +122,8 @@ class RRefService:
         # past its earlier incarnations' ids, which peers may still hold.
         self._ids = itertools.count(agent.incarnation << 32)
         # DELETEs held back (see the rules): owner rank -> forks, and when the
-        # oldest of them was dropped. Only the sender thread touches these.
+        # oldest of them was dropped. Only the sender thread changes these
+        # (``dropped`` reads whether any are held: the sender is lingering).
         self.delete_delay = agent.options.rref_delete_delay
         self._held_deletes: dict[int, list[tuple[RRefId, ForkId]]] = {}
         self._held_since = 0.0
@@ -132,7 +133,6 @@ class RRefService:
         # them when the linger ends). Appended from any thread: a deque's
         # append is atomic, and takes no lock a collection could interrupt.
         self._drops: collections.deque[ForkId] = collections.deque()
-        self._lingering = False
         self.released: set[ForkId] = set()  # forks let go of by release_user_forks
         self.running = True
         self._sender = threading.Thread(
@@ -146,7 +146,7 @@ class RRefService:
     def dropped(self, fork_id: ForkId) -> None:
         """A user RRef is gone (its ``__del__``): only queued, for the sender thread."""
         self._drops.append(fork_id)
-        if not self._lingering:  # read after the append: see _run_sender
+        if not self._held_deletes:  # read after the append: see _run_sender
             self.events.put((_DROP, None))
 
     # -- Sending -----------------------------------------------------------------
@@ -158,16 +158,15 @@ class RRefService:
         while True:
             if self._held_deletes:
                 # Lingering: drops made meanwhile wait for its end, unannounced.
-                self._lingering = True
                 linger = self._held_since + self.delete_delay - time.monotonic()
                 try:
                     event = self.events.get(timeout=max(0.0, linger))
                 except queue.Empty:
                     event = (_FLUSH, None)  # the linger is over: take the drops, send
             else:
-                # Cleared before the deque is looked at, and ``dropped`` reads it
-                # after its append: a drop is either seen here or announced.
-                self._lingering = False
+                # Nothing held (emptied before the deque is looked at), and
+                # ``dropped`` reads that after its append: a drop is either
+                # seen here or announced.
                 event = (_DROP, None) if self._drops else self.events.get()
             if event is None:
                 return
