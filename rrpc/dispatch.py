@@ -129,6 +129,9 @@ class Dispatcher:
         finally:
             thread_state.autograd_context_id = previous_context
         if isinstance(result, Deferred):
+            if result.future.done():  # answered already (a value at hand): reply now
+                self._reply_future(result.future, peer, request_id, context_id, respond, rows)
+                return
             on_done(
                 result.future,
                 lambda done: self._reply_future(done, peer, request_id, context_id, respond, rows),

@@ -67,7 +67,7 @@ from rrpc import autograd as dist_autograd
 from rrpc import codec, functions, logs, restricted
 from rrpc.agent import Agent
 from rrpc.dispatch import Deferred
-from rrpc.functions import async_execution, is_async_execution
+from rrpc.functions import async_result_error, is_async_execution
 from rrpc.futures import on_done, outcome
 from rrpc.messages import (
     RREF_ACCEPT,
@@ -487,20 +487,22 @@ def _owner_rref(target: Any) -> Any:
 
 
 @restricted.allow_call  # checks the method: check_method
-@async_execution
-def _invoke_on_owner(target: Any, method: str, args: tuple, kwargs: dict) -> torch.futures.Future:
-    """On the owner: ``getattr(value, method)(*args, **kwargs)``, as a Future so
-    that an ``async_execution`` method's reply waits for its own Future."""
+def _invoke_on_owner(target: Any, method: str, args: tuple, kwargs: dict) -> Any:
+    """On the owner: ``getattr(value, method)(*args, **kwargs)``; an
+    ``async_execution`` method's reply (or RRef value) waits for its own
+    Future, a ``Deferred``. A plain method's result is returned as it is: no
+    Future is made and waited on for the common case."""
     value = _owner_rref(target).local_value()
     if agent_module.current_agent().options.restricted:
         functions.check_method(value, method)
     bound = getattr(value, method)
-    if is_async_execution(bound):
+    if not is_async_execution(bound):
         return bound(*args, **kwargs)
-    # An error is raised here, not set on the Future: see the rules.
-    result: torch.futures.Future = torch.futures.Future()
-    result.set_result(bound(*args, **kwargs))
-    return result
+    returned = bound(*args, **kwargs)
+    error = async_result_error(bound, returned)
+    if error is not None:
+        raise error
+    return Deferred(returned)
 
 
 @restricted.allow_call

@@ -92,13 +92,16 @@ def evaluate_into(
             exc = functions.builtin_argument_error(func, args, kwargs) or exc
         future.set_result(kept(exc))
         return None
-    if not is_async_execution(func):
+    if isinstance(returned, Deferred):  # rrpc's own function, with a Future to wait for
+        returned = returned.future
+    elif not is_async_execution(func):
         future.set_result(returned)
         return None
-    error = async_result_error(func, returned)
-    if error is not None:
-        future.set_result(Failed(error))
-        return None
+    else:
+        error = async_result_error(func, returned)
+        if error is not None:
+            future.set_result(Failed(error))
+            return None
     set_: torch.futures.Future = torch.futures.Future()
 
     def finish(done: torch.futures.Future) -> None:

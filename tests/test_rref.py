@@ -140,6 +140,11 @@ class Box:
     def later_then(x):
         return Box.later(x).then(lambda done: done.wait() + 1)  # a plain torch._C.Future
 
+    @staticmethod
+    @rrpc.functions.async_execution
+    def not_a_future(x):
+        return x  # breaks the promise: the caller gets torch's error
+
 
 def _seeded_linear():
     torch.manual_seed(7)
@@ -285,6 +290,9 @@ def _user_rref_methods():
         "async_execution method": rref.rpc_sync().later(4),
         "async_execution method async": rref.rpc_async().later(5).wait(),
         "async_execution .then() via remote": rref.remote().later_then(6).to_here(),
+        "no Future, rpc_sync": _outcome(lambda: rref.rpc_sync().not_a_future(7)),
+        "no Future, rpc_async": _outcome(lambda: rref.rpc_async().not_a_future(8).wait()),
+        "no Future, remote": _outcome(lambda: rref.remote().not_a_future(9).to_here()),
         "repr": repr(rref).split("rref_id=")[0],
         "type": rref._get_type(),
     }
@@ -295,6 +303,10 @@ def test_user_rref_methods_run_on_the_owner(cluster, no_rrefs_left_behind):
     kind, message = got.pop("local_value")
     assert kind == "RuntimeError"
     assert "worker1" in message and "worker0" in message
+    for mode in ("rpc_sync", "rpc_async", "remote"):
+        kind, message = got.pop(f"no Future, {mode}")
+        assert kind == "RuntimeError", (mode, kind, message)
+        assert "must return a torch.futures.Future" in message and "not_a_future" in message
     assert got == {
         "is_owner": False,
         "owner": rrpc.WorkerInfo("worker1", 1),
