@@ -70,6 +70,7 @@ from rrpc import (
     restricted,
     routes,
     shm,
+    streams,
     transport,
     wire,
 )
@@ -210,6 +211,7 @@ class Agent:
             rank=rank,
             bulk_channel=options.bulk_channel,
             peer_timeout=options.peer_timeout,
+            replies_unread=self.replies_unread,
         )
         self.address = self.server.address
         # Our same-host lane's socket (lane_listener.py), which callers on this host dial.
@@ -218,10 +220,19 @@ class Agent:
             token = auth.Token(options.auth_token) if options.auth_token else None
             serve, admission = self.dispatcher.on_request, self.server.admission.of
             self.lane_listener = lane_listener.Listener(
-                rank, serve, token, self.frame_reader, admission
+                rank, serve, token, self.frame_reader, admission, self.replies_unread
             )
         # The carriers of our calls: lanes and gRPC streams, by peer (routes.py).
         self.routes = routes.Routes(self, channel_credentials)
+
+    def replies_unread(self, rank: int, ended: Callable[[], Any]) -> bool:
+        """Wait while replies to ``rank`` in shared memory that it has not
+        read pass ``streams.REPLY_BACKLOG`` (see ``shm.Unseen``); False if
+        ``ended()`` meanwhile. A stream's reader calls it before each request."""
+        entry = self.peers.known(rank)
+        if entry is None or entry.placer is None:
+            return True
+        return entry.placer.unseen.wait_for_room(streams.REPLY_BACKLOG, ended)
 
     def advertisement(self) -> dict[str, Any]:
         """What peers need to know of this worker besides its address."""

@@ -53,6 +53,7 @@ import torch
 from rrpc import by_value, restricted
 from rrpc._proto.rrpc_pb2 import Envelope
 from rrpc.messages import (
+    REPLY,
     MessageTooLargeError,
     SerializationError,
 )
@@ -507,7 +508,9 @@ def encode(
     if shared_memory is not None and sizes and max(sizes) >= shm_threshold:
         streamed = []
         for index, view in enumerate(raw):
-            shared = shared_memory.place(view) if sizes[index] >= shm_threshold else None
+            shared = (
+                shared_memory.place(view, kind == REPLY) if sizes[index] >= shm_threshold else None
+            )
             if shared is None:
                 streamed.append(view)
             else:

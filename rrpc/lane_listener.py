@@ -52,12 +52,14 @@ class Listener:
         token: auth.Token | None,
         reader: Callable[[int], wire.FrameReader],
         admission: Callable[[int], streams.InFlight],
+        replies_unread: Callable[[int, Callable[[], Any]], bool] | None = None,
     ):
         self.rank = rank
         self._on_request = on_request
         self._token = token
         self._new_reader = reader
         self._admission = admission
+        self._replies_unread = replies_unread  # see streams.admit_with
         base = os.environ.get("XDG_RUNTIME_DIR") or None
         self.directory = tempfile.mkdtemp(prefix="rrpc-lane-", dir=base)  # mode 0700
         self.path = os.path.join(self.directory, "lane.sock")
@@ -116,7 +118,12 @@ class Listener:
             _packets(sock, writer),
             self._new_reader(caller_rank),
             on_frame,
-            admit=streams.admit_with(in_flight, writer.wait_for_room, lambda: writer.error),
+            admit=streams.admit_with(
+                in_flight,
+                writer.wait_for_room,
+                lambda: writer.error,
+                self._replies_unread and functools.partial(self._replies_unread, caller_rank),
+            ),
         )
         partner = threading.Thread(
             target=readers.run, name=f"rrpc-lane-serve-{self.rank}", daemon=True

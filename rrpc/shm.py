@@ -31,6 +31,12 @@ Rules:
   itself, with no copy, and the hold is cleared when that tensor is freed.
 - A slot remembers the process it was sent to; if that process died without
   freeing it, the slot is taken back when the pool next needs one of its size.
+- The receiver sets the slot's third byte (``SEEN``) when it reads the frame
+  that names it. Slots sent in replies and not seen yet are what a caller
+  that does not read its replies makes this worker hold: ``Unseen`` counts
+  them, and the stream's reader stops reading that caller's requests while
+  they pass ``REPLY_BACKLOG`` (as for replies waiting unsent in the stream).
+  A slot seen and kept alive by the receiver is its memory, not a backlog.
 - The path is used only towards peers that proved they can open this
   worker's segments (``probe``); anything else, or a full pool, falls back
   to the stream. ``shared_memory=False`` (env ``RRPC_SHM=0``) turns it off.
@@ -45,6 +51,7 @@ Rules:
 
 from __future__ import annotations
 
+import collections
 import functools
 import mmap
 import os
@@ -58,6 +65,7 @@ import torch
 from rrpc._proto.rrpc_pb2 import SharedBuffer
 
 HEADER = 64
+SEEN = 2  # the header byte its receiver sets once it read the frame naming the slot
 KEY = slice(16, 32)  # where a segment's header holds its pool's key
 MAGIC = b"rrpc-shm-probe\x00\x00"
 _PAGE = mmap.PAGESIZE
@@ -75,7 +83,7 @@ def host_key() -> str:
 
 
 class _Segment:
-    __slots__ = ("fd", "capacity", "map", "array", "name", "holder")
+    __slots__ = ("fd", "capacity", "map", "array", "name", "holder", "uses")
 
     def __init__(self, capacity: int, key: bytes):
         self.fd = os.memfd_create("rrpc-shm", os.MFD_CLOEXEC)
@@ -87,6 +95,7 @@ class _Segment:
         self.array[KEY] = np.frombuffer(key, dtype=np.uint8)
         self.name = f"{os.getpid()}/{self.fd}"
         self.holder = 0  # pid of the process the slot was last sent to
+        self.uses = 0  # times it was filled: tells one sending of it from the next
 
     @property
     def busy(self) -> bool:
@@ -108,14 +117,19 @@ class SenderPool:
         self.probe = _Segment(_PAGE, self.key)
         self.probe.array[HEADER : HEADER + len(MAGIC)] = np.frombuffer(MAGIC, dtype=np.uint8)
 
-    def place(self, raw: memoryview, holder: int = 0) -> SharedBuffer | None:
+    def place(
+        self, raw: memoryview, holder: int = 0, unseen: Unseen | None = None
+    ) -> SharedBuffer | None:
         """Copy ``raw`` into a free slot for process ``holder`` (its pid);
-        None when the pool is at its limit."""
+        None when the pool is at its limit. ``unseen`` counts the slot until
+        the receiver reads it."""
         size = len(raw)
         segment = self._acquire(size, holder)
         if segment is None:
             return None
         segment.array[HEADER : HEADER + size] = np.frombuffer(raw, dtype=np.uint8)
+        if unseen is not None:
+            unseen.add(segment)
         return SharedBuffer(segment=segment.name, offset=HEADER, size=size)
 
     def towards(self, holder: int, attachments: Attachments | None = None) -> Placer:
@@ -158,6 +172,8 @@ class SenderPool:
                 segments.append(segment)
                 self._by_name[segment.name] = segment
             segment.array[0] = 1
+            segment.array[SEEN] = 0
+            segment.uses += 1
             segment.holder = holder
             return segment
 
@@ -192,19 +208,68 @@ class SenderPool:
 
 class Placer:
     """``SenderPool.place`` for one receiving process: its own slot back when
-    ``raw`` lies in one this worker maps from it, else a copy into ours."""
+    ``raw`` lies in one this worker maps from it, else a copy into ours.
+    ``unseen``: the slots of replies to it that it has not read yet."""
 
-    __slots__ = ("_pool", "_holder", "_attachments")
+    __slots__ = ("_pool", "_holder", "_attachments", "unseen")
 
     def __init__(self, pool: SenderPool, holder: int, attachments: Attachments | None = None):
         self._pool, self._holder, self._attachments = pool, holder, attachments
+        self.unseen = Unseen()
 
-    def place(self, raw: memoryview) -> SharedBuffer | None:
+    def place(self, raw: memoryview, reply: bool = False) -> SharedBuffer | None:
         if self._attachments is not None:
             returned = self._attachments.returnable(raw, self._holder)
             if returned is not None:
-                return returned
-        return self._pool.place(raw, self._holder)
+                return returned  # its own slot: nothing of ours waits on it
+        return self._pool.place(raw, self._holder, self.unseen if reply else None)
+
+
+class Unseen:
+    """Slots sent in replies to one process that it has not read yet.
+
+    Nothing tells the sender when a receiver reads a slot (it sets the slot's
+    ``SEEN`` byte), so the count only grows as slots are sent, and is made
+    exact (the slots seen since dropped) only when it passes a limit."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._slots: collections.deque[tuple[_Segment, int]] = collections.deque()
+        self.bytes = 0  # at least the bytes of the slots not seen yet
+
+    def add(self, segment: _Segment) -> None:
+        with self._lock:
+            self._slots.append((segment, segment.uses))
+            self.bytes += segment.capacity
+
+    def over(self, limit: int) -> bool:
+        """Whether more than ``limit`` bytes of slots are not seen yet."""
+        if self.bytes <= limit:
+            return False
+        with self._lock:
+            waiting = collections.deque(
+                (segment, uses)
+                for segment, uses in self._slots
+                # The same sending of it (not freed and filled again), unread.
+                if segment.uses == uses and segment.array[0] and not segment.array[SEEN]
+            )
+            self._slots = waiting
+            self.bytes = sum(segment.capacity for segment, _ in waiting)
+            return self.bytes > limit
+
+    def wait_for_room(self, limit: int, ended: Callable[[], object]) -> bool:
+        """Wait while more than ``limit`` bytes are not seen; False if
+        ``ended()`` meanwhile. It looks every ``LOOK_EVERY`` seconds: the
+        receiver's reads change shared bytes, which wake no one here."""
+        looked = threading.Event()  # never set: the wait between looks
+        while self.over(limit):
+            if ended():
+                return False
+            looked.wait(LOOK_EVERY)
+        return True
+
+
+LOOK_EVERY = 0.001
 
 
 def _unhold(array: np.ndarray) -> None:
@@ -273,6 +338,7 @@ class Attachments:
             raise ValueError(f"shared buffer {shared.segment!r} is not in the peer's pool")
         if shared.offset != HEADER or shared.offset + shared.size > len(whole):
             raise ValueError(f"shared buffer {shared.segment} out of bounds: {shared}")
+        whole[SEEN] = 1  # read: the sender no longer counts it as waiting for us
         data = whole[shared.offset : shared.offset + shared.size]
         start = data.ctypes.data
         with self._lock:

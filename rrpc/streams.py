@@ -242,14 +242,23 @@ class Admission:
 
 
 def admit_with(
-    in_flight: InFlight, wait_for_room: Callable[[], bool], ended: Callable[[], Any]
+    in_flight: InFlight,
+    wait_for_room: Callable[[], bool],
+    ended: Callable[[], Any],
+    replies_unread: Callable[[Callable[[], Any]], bool] | None = None,
 ) -> Callable[[wire.Frame], bool]:
     """``turns.TakeTurns``'s ``admit`` for a stream whose unsent replies wait in
     ``wait_for_room`` and whose peer's requests count in ``in_flight``;
-    ``ended()`` is true once the stream ended."""
+    ``ended()`` is true once the stream ended. ``replies_unread(ended)``
+    waits while the peer has not read too many bytes of replies sent to it
+    in shared memory (``shm.Unseen``); False if the stream ended meanwhile."""
 
     def admit(frame: wire.Frame) -> bool:
-        return wait_for_room() and in_flight.take(weight(frame), ended)
+        return (
+            wait_for_room()
+            and (replies_unread is None or replies_unread(ended))
+            and in_flight.take(weight(frame), ended)
+        )
 
     return admit
 

@@ -320,10 +320,13 @@ class Server:
         rank: int = -1,
         bulk_channel: bool = False,
         peer_timeout: float = 8.0,
+        replies_unread: Callable[[int, Callable[[], Any]], bool] | None = None,
     ):
-        """``bulk_channel``: accept bulk sockets beside the streams (``bulk_port``)."""
+        """``bulk_channel``: accept bulk sockets beside the streams (``bulk_port``);
+        ``replies_unread``: see ``streams.admit_with``, by caller rank."""
         self._on_frame = on_frame
         self._attach = attach
+        self._replies_unread = replies_unread
         self._token = auth.Token(auth_token) if auth_token is not None else None
         self._scheduler = scheduler
         self._rank = rank
@@ -436,7 +439,12 @@ class Server:
             requests,
             reader,
             on_frame,
-            streams.admit_with(in_flight, outbox.wait_for_room, lambda: stream.state is CLOSED),
+            streams.admit_with(
+                in_flight,
+                outbox.wait_for_room,
+                lambda: stream.state is CLOSED,
+                self._replies_unread and functools.partial(self._replies_unread, peer_rank),
+            ),
             outbox,
         )
         for turn in range(2):

@@ -35,7 +35,7 @@ import torch
 
 import rrpc
 from harness import run_workers
-from rrpc import auth, codec, streams, wire
+from rrpc import agent, auth, codec, streams, wire
 from rrpc._proto.rrpc_pb2 import Envelope
 from rrpc.messages import CALL, HANDSHAKE
 
@@ -50,6 +50,7 @@ NESTED = 400  # nested calls at once, far more than a peer may have waiting
 MiB = 1 << 20
 UNREAD = 400  # calls whose replies wait unread
 REPLY = 768 << 10  # each reply's tensor: below the shared-memory threshold, so in the stream
+SHM_REPLY = 1 << 20  # at the threshold: in a shared-memory slot, its descriptor in the stream
 
 
 def _noop():
@@ -96,8 +97,8 @@ def _partial_frames():
     return found
 
 
-def _encoded_call(func, request_id=1):
-    return b"".join(bytes(p) for p in codec.encode(CALL, request_id, (func, (), {})).pieces)
+def _encoded_call(func, request_id=1, args=()):
+    return b"".join(bytes(p) for p in codec.encode(CALL, request_id, (func, args, {})).pieces)
 
 
 def _wait_until(condition, timeout):
@@ -116,8 +117,9 @@ class _RawStream:
     replies counted. ``reading`` cleared: replies are not read until it is set
     (gRPC's flow control then pushes back on worker1)."""
 
-    def __init__(self, address, reading=None):
+    def __init__(self, address, reading=None, attach=None):
         self._address = address
+        self._attach = attach  # maps worker1's shared-memory slots, as worker0's own streams do
         self._reading = reading
         self._nonce = auth.new_nonce()
         self._outgoing: queue.SimpleQueue = queue.SimpleQueue()
@@ -137,7 +139,7 @@ class _RawStream:
             yield packet
 
     def _read(self):
-        reader = wire.FrameReader()
+        reader = wire.FrameReader(attach=self._attach)
         try:
             for packet in self._call:
                 for frame in reader.feed(packet):
@@ -231,28 +233,55 @@ def _flood(address, pid):
 _ran = {"count": 0}
 
 
-def _big_reply():
+_kept = {}
+
+
+def _big_reply(size=REPLY, fresh=True):
+    """A new tensor (in the stream, the reply's own memory), or one kept here,
+    the same each call (in shared memory, a slot holds a copy: what the slot
+    costs is then all the call leaves behind, not freed tensors the allocator keeps)."""
     _ran["count"] += 1  # on worker1's pool: a lost increment only under-counts
-    return torch.ones(REPLY // 4)
+    return torch.ones(size // 4) if fresh else _kept.setdefault(size, torch.ones(size // 4))
 
 
 def _runs():
     return _ran["count"]
 
 
-def _unread_replies(address, pid):
-    """400 calls of 768 KiB replies on a stream whose replies go unread: worker1
+def _reset_runs():
+    _ran["count"] = 0
+
+
+def _slots():
+    return agent.current_agent().shm_pool.debug_info()
+
+
+def _of_worker1(func):
+    """On worker2: ``func`` called on worker1, by another caller than the one
+    that does not read (worker0's rank, which every stream of its shares)."""
+    return rrpc.rpc_sync("worker1", func, timeout=10)
+
+
+def _unread_replies(address, pid, size=REPLY):
+    """400 calls of ``size`` replies on a stream whose replies go unread: worker1
     runs only so many of them (the rest wait unread on the socket), holds a
-    bounded number of bytes, serves others meanwhile; then every reply arrives."""
+    bounded number of bytes, serves other callers meanwhile; then every reply arrives.
+    Replies of ``SHM_REPLY`` go in worker1's shared-memory slots, which the
+    stream (worker0's rank, in worker0) maps as it reads them."""
+    _ran["count"] = 0
+    rrpc.rpc_sync("worker1", _reset_runs)
     seen = {"before": _memory(pid)}
     reading = threading.Event()
-    stream = _RawStream(address, reading)
+    attach = agent.current_agent().peers.known(1).source
+    stream = _RawStream(address, reading, attach)
     try:
-        stream.send(b"".join(_encoded_call(_big_reply, i + 1) for i in range(UNREAD)))
+        fresh = size < SHM_REPLY
+        calls = (_encoded_call(_big_reply, i + 1, (size, fresh)) for i in range(UNREAD))
+        stream.send(b"".join(calls))
         # Until worker1 stops running them (or has run them all).
         last, settled = -1, 0
         while settled < 10:
-            runs = rrpc.rpc_sync("worker1", _runs)
+            runs = rrpc.rpc_sync("worker2", _of_worker1, args=(_runs,))
             settled = settled + 1 if runs == last else 0
             last = runs
             if runs == UNREAD:
@@ -260,7 +289,8 @@ def _unread_replies(address, pid):
             threading.Event().wait(0.1)  # polls worker1's count; nothing to wait on here
         seen["ran while unread"] = last
         seen["during"] = _memory(pid)
-        seen["served meanwhile"] = rrpc.rpc_sync("worker1", _whoami, timeout=10)
+        seen["slots"] = rrpc.rpc_sync("worker2", _of_worker1, args=(_slots,))
+        seen["served meanwhile"] = rrpc.rpc_sync("worker2", _of_worker1, args=(_whoami,))
         reading.set()
         seen["replies"] = stream.wait_for_replies(UNREAD, 60)
         seen["error"] = stream.error
@@ -340,6 +370,7 @@ def _world(rank, world_size):
         "flood": _flood(address, pid),
         "nested": _nested_calls(NESTED),
         "unread": _unread_replies(address, pid),
+        "unread, in shared memory": _unread_replies(address, pid, SHM_REPLY),
         "oversize": _oversize_message(address, pid),
     }
 
@@ -435,19 +466,28 @@ def test_nested_calls_beyond_the_bound_complete_instead_of_deadlocking(world):
 # -- Replies its caller does not read ------------------------------------------------
 
 
-def test_a_caller_that_does_not_read_its_replies_stops_being_read(world):
-    seen = world["unread"]
-    print("400 calls of 768 KiB, replies unread:", seen)
-    # What waits in worker1 is bounded: the backlog, plus what was admitted before it filled.
-    held = seen["ran while unread"] * REPLY
-    assert held <= streams.REPLY_BACKLOG + (streams.PEER_IN_FLIGHT + 32) * REPLY, held
+UNREAD_CASES = {"unread": REPLY, "unread, in shared memory": SHM_REPLY}
+
+
+@pytest.mark.parametrize("case", UNREAD_CASES)
+def test_a_caller_that_does_not_read_its_replies_stops_being_read(world, case):
+    seen, size = world[case], UNREAD_CASES[case]
+    print(f"400 calls of {size >> 10} KiB, replies unread:", seen)
+    # What waits in worker1 is bounded: the backlog (of replies in the stream,
+    # or of slots not read), plus what was admitted before it filled. Without
+    # the bound on slots, shared memory held all 400 replies (+700 MiB).
+    held = seen["ran while unread"] * size
+    assert held <= streams.REPLY_BACKLOG + (streams.PEER_IN_FLIGHT + 32) * size, held
     assert seen["ran while unread"] < UNREAD
-    assert seen["during"]["rss"] - seen["before"]["rss"] < 200 * MiB
+    assert seen["slots"]["busy"] <= seen["ran while unread"]
+    # Shared memory: the slots (145 MiB here), the rest what the allocator keeps.
+    assert seen["during"]["rss"] - seen["before"]["rss"] < 200 * MiB + seen["slots"]["busy"] * size
     assert seen["served meanwhile"] == "worker1"
 
 
-def test_once_it_reads_every_reply_arrives(world):
-    seen = world["unread"]
+@pytest.mark.parametrize("case", UNREAD_CASES)
+def test_once_it_reads_every_reply_arrives(world, case):
+    seen = world[case]
     assert seen["error"] is None
     assert seen["replies"] == UNREAD
 
