@@ -178,6 +178,8 @@ class Agent:
         self.peers = peers.Directory(
             self.shm_pool, lane.lane_key() if options.same_host_lane else ""
         )
+        # Replies in shared memory their callers have not read: bounded as a backlog.
+        unread_replies = peers.UnreadReplies(self.peers, streams.REPLY_BACKLOG)
         self.pool = WorkerPool(options.num_worker_threads, f"rrpc-{name}")
         # Timed work of this run (deadlines, resends, delays): short callbacks only.
         self.scheduler = Scheduler()
@@ -211,7 +213,7 @@ class Agent:
             rank=rank,
             bulk_channel=options.bulk_channel,
             peer_timeout=options.peer_timeout,
-            replies_unread=self.replies_unread,
+            unread_replies=unread_replies,
         )
         self.address = self.server.address
         # Our same-host lane's socket (lane_listener.py), which callers on this host dial.
@@ -220,19 +222,10 @@ class Agent:
             token = auth.Token(options.auth_token) if options.auth_token else None
             serve, admission = self.dispatcher.on_request, self.server.admission.of
             self.lane_listener = lane_listener.Listener(
-                rank, serve, token, self.frame_reader, admission, self.replies_unread
+                rank, serve, token, self.frame_reader, admission, unread_replies
             )
         # The carriers of our calls: lanes and gRPC streams, by peer (routes.py).
         self.routes = routes.Routes(self, channel_credentials)
-
-    def replies_unread(self, rank: int, ended: Callable[[], Any]) -> bool:
-        """Wait while replies to ``rank`` in shared memory that it has not
-        read pass ``streams.REPLY_BACKLOG`` (see ``shm.Unseen``); False if
-        ``ended()`` meanwhile. A stream's reader calls it before each request."""
-        entry = self.peers.known(rank)
-        if entry is None or entry.placer is None:
-            return True
-        return entry.placer.unseen.wait_for_room(streams.REPLY_BACKLOG, ended)
 
     def advertisement(self) -> dict[str, Any]:
         """What peers need to know of this worker besides its address."""

@@ -52,14 +52,14 @@ class Listener:
         token: auth.Token | None,
         reader: Callable[[int], wire.FrameReader],
         admission: Callable[[int], streams.InFlight],
-        replies_unread: Callable[[int, Callable[[], Any]], bool] | None = None,
+        unread_replies: streams.UnreadReplies | None = None,
     ):
         self.rank = rank
         self._on_request = on_request
         self._token = token
         self._new_reader = reader
         self._admission = admission
-        self._replies_unread = replies_unread  # see streams.admit_with
+        self._unread = unread_replies  # see streams.admit_with
         base = os.environ.get("XDG_RUNTIME_DIR") or None
         self.directory = tempfile.mkdtemp(prefix="rrpc-lane-", dir=base)  # mode 0700
         self.path = os.path.join(self.directory, "lane.sock")
@@ -122,7 +122,7 @@ class Listener:
                 in_flight,
                 writer.wait_for_room,
                 lambda: writer.error,
-                self._replies_unread and functools.partial(self._replies_unread, caller_rank),
+                None if self._unread is None else functools.partial(self._unread.wait, caller_rank),
             ),
         )
         partner = threading.Thread(
@@ -138,6 +138,8 @@ class Listener:
                 writer.drain(1.0)
         finally:  # whatever ended it: the caller's calls on it fail now, not at their timeout
             in_flight.wake()
+            if self._unread is not None:
+                self._unread.forget(caller_rank)
             writer.fail(LaneBroken("lane ended"))
             self._drop(sock)
 

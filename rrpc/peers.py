@@ -40,6 +40,30 @@ class Peer:
     bulk_port: int = 0  # its bulk port (bulk.py), 0: none
 
 
+class UnreadReplies:
+    """Replies sent to each peer in shared-memory slots that it has not read
+    yet (``shm.Unseen``), by rank: what its streams' readers wait on before
+    reading another of its requests (``streams.admit_with``)."""
+
+    def __init__(self, directory: Directory, limit: int):
+        self._directory = directory
+        self._limit = limit
+
+    def wait(self, rank: int, ended: Callable[[], Any]) -> bool:
+        """Wait while more than the limit is unread; False if ``ended()`` meanwhile."""
+        entry = self._directory.known(rank)
+        if entry is None or entry.placer is None:
+            return True
+        return entry.placer.unseen.wait_for_room(self._limit, ended)
+
+    def forget(self, rank: int) -> None:
+        """A stream of ``rank`` ended: what it did not read will never be read
+        there, so it is no longer a backlog to wait on."""
+        entry = self._directory.known(rank)
+        if entry is not None and entry.placer is not None:
+            entry.placer.unseen.forget()
+
+
 class Directory:
     def __init__(self, shm_pool: shm.SenderPool | None, lane_key: str = ""):
         self._shm_pool = shm_pool

@@ -257,6 +257,11 @@ class Unseen:
             self.bytes = sum(segment.capacity for segment, _ in waiting)
             return self.bytes > limit
 
+    def forget(self) -> None:
+        with self._lock:
+            self._slots.clear()
+            self.bytes = 0
+
     def wait_for_room(self, limit: int, ended: Callable[[], object]) -> bool:
         """Wait while more than ``limit`` bytes are not seen; False if
         ``ended()`` meanwhile. It looks every ``LOOK_EVERY`` seconds: the

@@ -65,7 +65,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 from rrpc import wire
 
@@ -239,6 +239,15 @@ class Admission:
             if in_flight is None:
                 in_flight = self._peers[rank] = InFlight(self._limit)
             return in_flight
+
+
+class UnreadReplies(Protocol):
+    """Replies a peer has not read that are not in any stream's backlog
+    (``peers.UnreadReplies``: those in shared memory), by the peer's rank."""
+
+    def wait(self, rank: int, ended: Callable[[], Any]) -> bool: ...
+
+    def forget(self, rank: int) -> None: ...
 
 
 def admit_with(

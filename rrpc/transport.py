@@ -320,13 +320,13 @@ class Server:
         rank: int = -1,
         bulk_channel: bool = False,
         peer_timeout: float = 8.0,
-        replies_unread: Callable[[int, Callable[[], Any]], bool] | None = None,
+        unread_replies: streams.UnreadReplies | None = None,
     ):
         """``bulk_channel``: accept bulk sockets beside the streams (``bulk_port``);
-        ``replies_unread``: see ``streams.admit_with``, by caller rank."""
+        ``unread_replies``: see ``streams.admit_with``."""
         self._on_frame = on_frame
         self._attach = attach
-        self._replies_unread = replies_unread
+        self._unread = unread_replies
         self._token = auth.Token(auth_token) if auth_token is not None else None
         self._scheduler = scheduler
         self._rank = rank
@@ -409,6 +409,8 @@ class Server:
         def stream_over() -> None:
             stream.move(END)
             in_flight.wake()
+            if self._unread is not None:
+                self._unread.forget(peer_rank)
             outbox.end()
             if channel is not None:
                 self._bulk_streams.pop(key, None)
@@ -443,7 +445,7 @@ class Server:
                 in_flight,
                 outbox.wait_for_room,
                 lambda: stream.state is CLOSED,
-                self._replies_unread and functools.partial(self._replies_unread, peer_rank),
+                None if self._unread is None else functools.partial(self._unread.wait, peer_rank),
             ),
             outbox,
         )

@@ -44,6 +44,31 @@ def test_a_freed_slot_is_reused_and_a_busy_one_is_not():
         pool.close()
 
 
+def test_only_reply_slots_their_receiver_has_not_read_count_as_unseen():
+    pool = shm.SenderPool()
+    placer = pool.towards(os.getpid())
+    unseen, slot = placer.unseen, 2 * MiB  # a 2 MiB payload fills a 2 MiB slot
+    try:
+        placer.place(_payload(1))  # a request: not counted
+        replies = [placer.place(_payload(2 + i), reply=True) for i in range(3)]
+        assert unseen.bytes == 3 * slot
+        assert unseen.over(2 * slot) and not unseen.over(3 * slot)
+        attach = shm.Attachments().bind(os.getpid(), pool.key)
+        kept = attach(replies[0])  # read, and kept alive: the receiver's memory now
+        attach(replies[1])  # read and freed at once: the slot is free again
+        assert not unseen.over(slot)  # only the third is unread
+        assert unseen.bytes == slot
+        again = placer.place(_payload(9), reply=True)  # reuses the freed slot: a new sending
+        assert again.segment == replies[1].segment
+        assert unseen.over(slot)  # its earlier, read sending does not make it count as read
+        assert unseen.wait_for_room(slot, ended=lambda: True) is False  # stream gone: stop waiting
+        unseen.forget()
+        assert unseen.bytes == 0 and unseen.wait_for_room(0, ended=lambda: False)
+        del kept
+    finally:
+        pool.close()
+
+
 def test_the_slot_of_a_receiver_that_died_without_freeing_it_is_taken_back():
     pool = shm.SenderPool()
     try:
