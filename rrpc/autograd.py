@@ -48,7 +48,10 @@ Theory of operation
 - Release. Leaving the ``with`` block drops the context here and sends
   AUTOGRAD_RELEASE to every participant, which drops it and forwards the
   release to its own participants. It does not wait for the answers (as in
-  torch); ``_wait_releases()`` does, for tests.
+  torch); ``_wait_releases()`` does, for tests. A training loop ends a
+  context every step: the releases of ``RELEASE_DELAY`` go to each
+  participant in one message, sent from the scheduler's thread, so that a
+  step's own calls do not share the lane with a release and its reply.
 - One run's state (the context table, the releases under way) lives in the
   ``Autograd`` service that ``init_rpc`` builds (``rrpc/worker.py``); the
   functions above find it through the current agent.
@@ -415,6 +418,11 @@ def _local_pass(
     ]
 
 
+# Releases gathered this long go to each participant in one message (seconds;
+# 0: each at once, from the thread that left the block).
+RELEASE_DELAY = 0.005
+
+
 # -- One run ---------------------------------------------------------------------
 class Autograd:
     """Distributed autograd's part of one run: the context table, the
@@ -430,6 +438,8 @@ class Autograd:
         self.hooks = _Hooks(self.table)
         self._pending_releases: set[torch.futures.Future] = set()
         self._pending_lock = threading.Lock()
+        # Releases not sent yet (RELEASE_DELAY), by participant: (context id, told).
+        self._unsent: dict[int, tuple[WorkerInfo, list[tuple[int, frozenset[int]]]]] = {}
 
     def serve_backward(self, payload: tuple, caller: WorkerInfo) -> Any:
         """Gradients for one of our send records: run the rest of the pass here."""
@@ -445,18 +455,46 @@ class Autograd:
             hops = _local_pass(self.agent, context, outputs, grads)
         return Deferred(all_of(hops)) if hops else None
 
-    def serve_release(self, payload: tuple, caller: WorkerInfo) -> Any:
-        """A context ended: drop it and pass the release on to those not told yet."""
-        context_id, told = payload
-        futures = self._release_here(context_id, told)
+    def serve_release(self, payload: list, caller: WorkerInfo) -> Any:
+        """Contexts ended (``[(context id, told)]``): drop them and pass the
+        releases on to those not told yet."""
+        futures = []
+        for context_id, told in payload:
+            for peer, told_on in self._drop(context_id, told):
+                future = self._send_releases(peer, [(context_id, told_on)])
+                if future is not None:
+                    futures.append(future)
         return Deferred(all_settled(futures, _release_failed)) if futures else None
 
     def release(self, context_id: int) -> None:
         """This worker's ``with context()`` block ended: release it everywhere."""
-        futures = self._release_here(context_id, frozenset())
-        if not futures:
+        targets = self._drop(context_id, frozenset())
+        if not targets:
             return
-        settled = all_settled(futures, _release_failed)
+        if RELEASE_DELAY <= 0:
+            for peer, told in targets:
+                self._track(self._send_releases(peer, [(context_id, told)]))
+            return
+        with self._pending_lock:
+            first = not self._unsent
+            for peer, told in targets:
+                self._unsent.setdefault(peer.id, (peer, []))[1].append((context_id, told))
+        if first:
+            self.agent.scheduler.call_later(RELEASE_DELAY, self.flush_releases)
+
+    def flush_releases(self) -> None:
+        """Send the releases gathered so far (the scheduler does, ``RELEASE_DELAY``
+        after the first; a drain and ``wait_releases`` do at once)."""
+        with self._pending_lock:
+            unsent, self._unsent = self._unsent, {}
+        for peer, releases in unsent.values():
+            self._track(self._send_releases(peer, releases))
+
+    def _track(self, future: torch.futures.Future | None) -> None:
+        """Keep a release under way until it is answered (``wait_releases``)."""
+        if future is None:
+            return
+        settled = all_settled([future], _release_failed)
         with self._pending_lock:
             self._pending_releases.add(settled)
 
@@ -466,42 +504,47 @@ class Autograd:
 
         on_done(settled, forget)
 
-    def _release_here(self, context_id: int, told: frozenset[int]) -> list[torch.futures.Future]:
-        """Drop the context here; send its release to participants not in ``told``."""
-        agent = self.agent
+    def _drop(
+        self, context_id: int, told: frozenset[int]
+    ) -> list[tuple[WorkerInfo, frozenset[int]]]:
+        """Drop the context here; the participants not in ``told`` to release
+        it, with whom they need not tell again."""
         context = self.table.release(context_id)
         if context is None:
             return []
+        me = self.agent.info.id
         with context.lock:
             targets = [peer for rank, peer in context.participants.items() if rank not in told]
         # Everyone told by us, or before us, need not be told again by those we tell.
-        told = told | {peer.id for peer in targets} | {agent.info.id}
-        futures: list[torch.futures.Future] = []
-        for peer in targets:
-            if peer.id == agent.info.id:
-                continue
-            try:
-                futures.append(
-                    agent.send_reliably(
-                        peer,
-                        AUTOGRAD_RELEASE,
-                        (context_id, told),
-                        agent.options.rpc_timeout,
-                        f"release of autograd context {context_id}",
-                    )
-                )
-            except Exception as exc:  # shutting down: nothing left to free there
-                log.debug(
-                    "rrpc: release of context %d to %s not sent: %s", context_id, peer.name, exc
-                )
-        return futures
+        told = told | {peer.id for peer in targets} | {me}
+        return [(peer, told) for peer in targets if peer.id != me]
+
+    def _send_releases(
+        self, peer: WorkerInfo, releases: list[tuple[int, frozenset[int]]]
+    ) -> torch.futures.Future | None:
+        """One AUTOGRAD_RELEASE of ``releases`` to ``peer``: its reply's future."""
+        ids = ", ".join(str(context_id) for context_id, _ in releases)
+        try:
+            return self.agent.send_reliably(
+                peer,
+                AUTOGRAD_RELEASE,
+                releases,
+                self.agent.options.rpc_timeout,
+                f"release of autograd context(s) {ids}",
+            )
+        except Exception as exc:  # shutting down: nothing left to free there
+            log.debug("rrpc: release of context(s) %s to %s not sent: %s", ids, peer.name, exc)
+            return None
 
     def debug_info(self) -> dict[str, int]:
         info = self.table.debug_info()
-        info["pending_releases"] = len(self._pending_releases)
+        with self._pending_lock:
+            unsent = sum(len(releases) for _, releases in self._unsent.values())
+            info["pending_releases"] = len(self._pending_releases) + unsent
         return info
 
     def wait_releases(self, timeout: float) -> bool:
+        self.flush_releases()
         deadline = time.monotonic() + timeout
         while True:
             with self._pending_lock:
@@ -517,6 +560,7 @@ class Autograd:
         self.table.clear()
         with self._pending_lock:
             self._pending_releases.clear()
+            self._unsent.clear()
 
 
 def _release_failed(error: BaseException) -> None:

@@ -128,5 +128,8 @@ def test_autograd_step_sends_no_more_than_torch(cluster, torch_counts):
     # more: about 3 requests a step (the last may land after the count ends).
     assert torch_served >= 2 * STEPS, torch_counts
     sent, served = cluster.run(_autograd_step_counts)
-    assert sent == torch_sent, sent
+    # The forward call, the backward pass and the optimizer's step, as torch;
+    # the context releases gathered in one message per RELEASE_DELAY
+    # (autograd.py): one a step at most (steps slower than the delay), at least one.
+    assert 3 * STEPS < sent <= torch_sent, sent
     assert served == 0, f"worker1 sent {served} requests back in {STEPS} steps"
