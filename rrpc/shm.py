@@ -266,10 +266,11 @@ class Unseen:
         """Wait while more than ``limit`` bytes are not seen; False if
         ``ended()`` meanwhile. It looks every ``LOOK_EVERY`` seconds: the
         receiver's reads change shared bytes, which wake no one here."""
-        looked = threading.Event()  # never set: the wait between looks
+        looked = None  # an Event never set, for the wait between looks, once needed
         while self.over(limit):
             if ended():
                 return False
+            looked = looked or threading.Event()
             looked.wait(LOOK_EVERY)
         return True
 
