@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+	$(PY) -m pytest -q -ra --durations=10 $(PYTEST_ARGS)
 
 # pytest exits 5 when nothing is selected; no slow test yet is not a failure.
 test-slow: $(STAMP)

@@ -166,6 +166,9 @@ class Agent:
         self.suspects: set[int] = set()
         self._ids = itertools.count(1)
         self._stopped = False
+        # In the shutdown barrier: a carrier that breaks now is most likely a
+        # peer that passed it first and stopped, not a peer lost (not logged).
+        self.leaving = False
         # Set once init_rpc has learned every peer: requests wait for it.
         self.ready = threading.Event()
         server_credentials, channel_credentials = transport.tls_credentials(
@@ -493,6 +496,7 @@ class Agent:
         self.routes.closed(peer, connection, error)
         if error is not None and not self._stopped:
             self.suspects.add(peer.id)
+        if error is not None and not self._stopped and not self.leaving:
             logs.event(
                 "peer-lost",
                 peer.name,

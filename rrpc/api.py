@@ -167,6 +167,10 @@ def shutdown(graceful: bool = True, timeout: float = 0) -> None:
                     left = True
                     group.leave(deadline, graceful=True)
                 elif rendezvous is not None:
+                    # Peers that pass the barrier first stop: a late send (an
+                    # RRef's DELETE) that meets their closed lane is no news.
+                    # (A peer that dies meanwhile, the barrier finds and logs.)
+                    agent.leaving = True
                     rendezvous.barrier(
                         "shutdown",
                         timeout,
