@@ -34,6 +34,7 @@ import torch
 
 import rrpc
 from harness import run_script
+from rrpc import autograd as autograd_module
 from rrpc.optim import DistributedOptimizer
 
 pytestmark = pytest.mark.timeout(240)
@@ -97,7 +98,9 @@ def _parameter_rrefs(module_rref):
     return [rrpc.RRef(param) for param in module_rref.local_value().parameters()]
 
 
-def _autograd_step_counts():
+def _autograd_step_counts(release_delay=None):
+    """Requests the trainer sends worker1 over STEPS steps, and worker1 back;
+    with ``release_delay``, also how many it sent before its releases were flushed."""
     torch.manual_seed(0)
     module = rrpc.remote("worker1", torch.nn.Linear, args=(8, 8))
     params = rrpc.rpc_sync("worker1", _parameter_rrefs, args=(module,))
@@ -114,11 +117,19 @@ def _autograd_step_counts():
         step()
     rrpc.autograd._wait_releases(30.0)
     sent0, served0 = _traffic("worker1")
-    for _ in range(STEPS):
-        step()
-    rrpc.autograd._wait_releases(30.0)
+    previous = autograd_module.RELEASE_DELAY
+    autograd_module.RELEASE_DELAY = previous if release_delay is None else release_delay
+    try:
+        for _ in range(STEPS):
+            step()
+        before_flush = _traffic("worker1")[0] - sent0
+        rrpc.autograd._wait_releases(30.0)
+    finally:
+        autograd_module.RELEASE_DELAY = previous
     sent, served = _traffic("worker1")
-    return sent - sent0, served - served0
+    if release_delay is None:
+        return sent - sent0, served - served0
+    return before_flush, sent - sent0
 
 
 def test_autograd_step_sends_no_more_than_torch(cluster, torch_counts):
@@ -133,3 +144,11 @@ def test_autograd_step_sends_no_more_than_torch(cluster, torch_counts):
     # (autograd.py): one a step at most (steps slower than the delay), at least one.
     assert 3 * STEPS < sent <= torch_sent, sent
     assert served == 0, f"worker1 sent {served} requests back in {STEPS} steps"
+
+
+def test_the_releases_of_many_steps_go_in_one_message(cluster):
+    # Held for a minute, the releases of STEPS steps wait until a flush, then
+    # go to worker1 together: without the batching, one went every step.
+    before_flush, after_flush = cluster.run(_autograd_step_counts, 60.0)
+    assert before_flush == 3 * STEPS
+    assert after_flush == 3 * STEPS + 1
