@@ -515,6 +515,11 @@ class Agent:
             settle(call.future, error=type(reason)(f"{call.what} on {peer.name} failed: {reason}"))
 
     # -- Lifecycle -------------------------------------------------------------
+    @property
+    def stopped(self) -> bool:
+        """Whether ``stop`` has begun: nothing more is sent."""
+        return self._stopped
+
     def wait_idle(self, timeout: float, peer: int | None = None) -> bool:
         """Wait until no request this worker sent (to rank ``peer``, if given) is
         pending. False on timeout."""

@@ -235,7 +235,14 @@ class RRefService:
     def _answered(self, send: Send, error: BaseException | None) -> None:
         if not self.running:
             return  # the session is over and its tables are gone
-        if error is not None and not isinstance(error, PeerUnavailableError):
+        # A message that could not go because this worker stopped is no news:
+        # an RRef dropped after the shutdown's drain (the owners stop too, and
+        # free what it held; a worker leaving a group let go of its RRefs first).
+        if (
+            error is not None
+            and not isinstance(error, PeerUnavailableError)
+            and not self.agent.stopped
+        ):
             logs.event("rref-message", str(send.to), "%r failed: %s", send, error)
         if send.kind == RREF_FORK:
             self._confirmed(send.payload[1], error)
