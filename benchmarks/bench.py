@@ -101,9 +101,11 @@ if EXAMPLES not in sys.path:
 MiB = 1024 * 1024
 ECHO_SIZES = {
     "echo_4k": 4 * 1024,
+    "echo_512k": MiB // 2,
     "echo_1m": MiB,
     "echo_16m": 16 * MiB,
     "echo_128m": 128 * MiB,
+    "echo_fresh_512k": MiB // 2,
     "echo_fresh_1m": MiB,
     "echo_fresh_16m": 16 * MiB,
     "echo_fresh_128m": 128 * MiB,
@@ -585,9 +587,11 @@ WORKLOADS = [
         "threads_64", threads_64, 2560, 1280, (Row("calls_per_s", "64 threads", "calls/s", True),)
     ),
     _echo("echo_4k", 500, 200),
+    _echo("echo_512k", 200, 80),
     _echo("echo_1m", 100, 40),
     _echo("echo_16m", 20, 8),
     _echo("echo_128m", 4, 2),
+    _echo("echo_fresh_512k", 200, 80, fresh=True),
     _echo("echo_fresh_1m", 100, 40, fresh=True),
     _echo("echo_fresh_16m", 20, 8, fresh=True),
     _echo("echo_fresh_128m", 4, 2, fresh=True),

@@ -475,7 +475,7 @@ def encode(
     peer: Any = None,
     max_message_size: int = 0,
     shared_memory: Placer | None = None,
-    shm_threshold: int = 1 << 20,
+    shm_threshold: int = 256 << 10,
     same_main: bool = False,
 ) -> Outgoing:
     """Encode one message into frame pieces. Raises SerializationError or

@@ -38,8 +38,9 @@ Rules:
   they pass ``REPLY_BACKLOG`` (as for replies waiting unsent in the stream).
   A slot seen and kept alive by the receiver is its memory, not a backlog.
 - The path is used only towards peers that proved they can open this
-  worker's segments (``probe``); anything else, or a full pool, falls back
-  to the stream. ``shared_memory=False`` (env ``RRPC_SHM=0``) turns it off.
+  worker's segments (``probe``); anything else, or a full pool (its byte
+  limit, or no file descriptor left for a new slot), falls back to the
+  stream. ``shared_memory=False`` (env ``RRPC_SHM=0``) turns it off.
 - A descriptor is never trusted as it comes off the wire. A receiver maps a
   segment only for the peer whose stream it came on (``Attachments.bind``),
   only in the process that peer advertised (the pid of its probe), only if
@@ -87,9 +88,13 @@ class _Segment:
 
     def __init__(self, capacity: int, key: bytes):
         self.fd = os.memfd_create("rrpc-shm", os.MFD_CLOEXEC)
-        os.ftruncate(self.fd, HEADER + capacity)
+        try:
+            os.ftruncate(self.fd, HEADER + capacity)
+            self.map = mmap.mmap(self.fd, HEADER + capacity)
+        except BaseException:
+            os.close(self.fd)
+            raise
         self.capacity = capacity
-        self.map = mmap.mmap(self.fd, HEADER + capacity)
         self.array = np.frombuffer(self.map, dtype=np.uint8)
         self.array[::_PAGE] = 0  # pre-fault every page once
         self.array[KEY] = np.frombuffer(key, dtype=np.uint8)
@@ -104,8 +109,19 @@ class _Segment:
         return self.array[0] != 0 or self.array[1] != 0
 
 
+def capacity_for(size: int) -> int:
+    """The slot capacity a buffer of ``size`` bytes takes: a size class in
+    quarter steps between powers of two (256, 320, 384, 448, 512, 640 KiB,
+    ...), so that a slot a receiver keeps wastes at most a fifth of its size
+    (powers of two alone wasted up to half)."""
+    step = max((1 << max(size - 1, 1).bit_length()) >> 3, 1)
+    return -(-size // step) * step
+
+
 class SenderPool:
-    """This worker's slots, by power-of-two capacity."""
+    """This worker's slots, by capacity (``capacity_for``). A buffer takes a
+    free slot of its own size class, else a free one of a larger class up to
+    twice its capacity, else a new slot of its class."""
 
     def __init__(self, limit_bytes: int = 8 << 30):
         self._by_capacity: dict[int, list[_Segment]] = {}
@@ -160,14 +176,17 @@ class SenderPool:
         return torch.from_numpy(copy)
 
     def _acquire(self, size: int, holder: int) -> _Segment | None:
-        capacity = 1 << max(size - 1, 1).bit_length()
+        capacity = capacity_for(size)
         with self._lock:
             segments = self._by_capacity.setdefault(capacity, [])
-            segment = self._free(segments) or self._reclaim(segments)
+            segment = self._free(segments) or self._reclaim(segments) or self._larger(capacity)
             if segment is None:
                 if self._total + capacity > self._limit:
                     return None
-                segment = _Segment(capacity, self.key)
+                try:
+                    segment = _Segment(capacity, self.key)
+                except OSError:  # out of file descriptors (each slot holds one) or memory
+                    return None
                 self._total += capacity
                 segments.append(segment)
                 self._by_name[segment.name] = segment
@@ -182,6 +201,16 @@ class SenderPool:
         for segment in segments:
             if not segment.busy:
                 return segment
+        return None
+
+    def _larger(self, capacity: int) -> _Segment | None:
+        """A free slot of the smallest larger class up to twice ``capacity``
+        (sizes that vary a little reuse slots instead of faulting in new ones)."""
+        for larger in sorted(self._by_capacity):
+            if capacity < larger <= 2 * capacity:
+                found = self._free(self._by_capacity[larger])
+                if found is not None:
+                    return found
         return None
 
     @staticmethod
@@ -283,12 +312,23 @@ def _unhold(array: np.ndarray) -> None:
 
 
 def _alive(pid: int) -> bool:
-    """Whether process ``pid`` still runs (a zombie does not)."""
+    """Whether process ``pid`` still runs (a zombie does not). When /proc
+    cannot be read for another reason than the process being gone (no file
+    descriptor left), it counts as running: taking back a live receiver's
+    slot would overwrite a tensor it holds."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat:
             return stat.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
+    except (FileNotFoundError, ProcessLookupError, IndexError):
         return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass  # another user's process: it exists
+        return True
 
 
 class Attachments:

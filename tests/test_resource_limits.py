@@ -49,8 +49,11 @@ FLOOD = 200_000
 NESTED = 400  # nested calls at once, far more than a peer may have waiting
 MiB = 1 << 20
 UNREAD = 400  # calls whose replies wait unread
+# The world's shared-memory threshold (the default is lower): replies of a
+# size a caller would not keep many of unread, on either side of it.
+SHM_THRESHOLD = 1 << 20
 REPLY = 768 << 10  # each reply's tensor: below the shared-memory threshold, so in the stream
-SHM_REPLY = 1 << 20  # at the threshold: in a shared-memory slot, its descriptor in the stream
+SHM_REPLY = SHM_THRESHOLD  # at the threshold: in a shared-memory slot, its descriptor in the stream
 
 
 def _noop():
@@ -377,7 +380,10 @@ def _world(rank, world_size):
 
 @pytest.fixture(scope="module")
 def world():
-    return run_workers(_world, 3, env={"RRPC_AUTH_TOKEN": TOKEN}, timeout=150)[0]
+    options = rrpc.RpcBackendOptions(auth_token=TOKEN, shm_threshold=SHM_THRESHOLD)
+    return run_workers(
+        _world, 3, env={"RRPC_AUTH_TOKEN": TOKEN}, backend_options=options, timeout=150
+    )[0]
 
 
 # -- Memory is taken as bytes arrive -----------------------------------------------

@@ -2,6 +2,7 @@
 slots a reply returns to the worker that sent them."""
 
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -42,6 +43,64 @@ def test_a_freed_slot_is_reused_and_a_busy_one_is_not():
         assert pool.debug_info() == {"segments": 2, "busy": 2}
     finally:
         pool.close()
+
+
+@pytest.mark.parametrize(
+    ("size", "capacity"),
+    [
+        (256 << 10, 256 << 10),
+        ((256 << 10) + 1, 320 << 10),  # past a power of two: a quarter step, not double
+        (300 << 10, 320 << 10),
+        (512 << 10, 512 << 10),
+        (900 << 10, 1 << 20),
+        (5 * MiB, 5 * MiB),
+        (128 * MiB + 1, 160 * MiB),
+    ],
+)
+def test_a_slot_is_at_most_a_quarter_larger_than_its_buffer(size, capacity):
+    assert shm.capacity_for(size) == capacity
+    assert size <= capacity <= max(size * 5 // 4, 8)
+
+
+def _sized(size: int) -> memoryview:
+    return memoryview(np.zeros(size, dtype=np.uint8))
+
+
+def test_a_buffer_takes_a_free_larger_slot_up_to_twice_its_size_before_a_new_one():
+    pool = shm.SenderPool()
+    attach = shm.Attachments().bind(os.getpid(), pool.key)
+    try:
+        large = pool.place(_sized(600 << 10), holder=os.getpid())  # a 640 KiB slot
+        attach(large)  # read and freed: free
+        smaller = pool.place(_sized(300 << 10), holder=os.getpid())  # 320 KiB class: none yet
+        assert smaller.segment == large.segment  # the free 640 KiB slot, not a new one
+        attach(smaller)
+        tiny = pool.place(_sized(256 << 10), holder=os.getpid())  # 640 KiB is over twice 256
+        assert tiny.segment != large.segment
+        assert pool.debug_info() == {"segments": 2, "busy": 1}
+    finally:
+        pool.close()
+
+
+def test_a_pool_out_of_file_descriptors_leaves_buffers_to_the_stream():
+    # Each slot holds a file descriptor: thousands of received tensors kept
+    # alive could exhaust the process's limit (often 1,024).
+    pool = shm.SenderPool()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    highest = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 4, hard))
+        # Up to 3 more, and the gaps below the highest: far fewer than this.
+        placed = [pool.place(_sized(256 << 10), holder=os.getpid()) for _ in range(highest + 4)]
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        pool.close()
+    assert placed[0] is not None  # slots while descriptors last
+    assert placed[-1] is None  # then None: the caller sends the buffer in the stream
+    # Never a busy slot again: this (live) process's, taken back as if it had
+    # died because /proc could not be opened, would overwrite a tensor it holds.
+    segments = [shared.segment for shared in placed if shared is not None]
+    assert len(segments) == len(set(segments))
 
 
 def test_only_reply_slots_their_receiver_has_not_read_count_as_unseen():
