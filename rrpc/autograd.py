@@ -6,8 +6,8 @@ Theory of operation
   every RPC from the thread carries (the agent sets it on the callee while the
   request runs, so nested calls and the reply carry it too). When a message in
   a context holds tensors that require grad, the agent tells us
-  (``_Hooks.on_send``): the sender records them under the message's key. The
-  receiver gets each such tensor through ``_Hooks.tensor_hook`` and hands the
+  (``Hooks.on_send``): the sender records them under the message's key. The
+  receiver gets each such tensor through ``Hooks.tensor_hook`` and hands the
   user the output of a ``RecvRpc`` node instead: a tensor that requires grad,
   whose ``grad_fn`` knows the context, the message key, the tensor's index in
   the message and the sender. Tensors that do not require grad cost nothing.
@@ -66,14 +66,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from rrpc import agent as agent_module
 from rrpc.agent import Agent
-from rrpc.autograd_context import Context, ContextTable
+from rrpc.autograd_context import Context, ContextTable, Hooks
 from rrpc.dispatch import Deferred
 from rrpc.futures import all_of, all_settled, on_done, wait_until
 from rrpc.messages import (
@@ -435,7 +435,7 @@ class Autograd:
         self.profiling = profiling  # backward passes are events when they run under a profile
         # Ids past those of this rank's earlier incarnations (a rejoin), which peers may hold.
         self.table = ContextTable(agent.info.id, first=1 + (agent.incarnation << 32))
-        self.hooks = _Hooks(self.table)
+        self.hooks = Hooks(self.table, _receive)
         self._pending_releases: set[torch.futures.Future] = set()
         self._pending_lock = threading.Lock()
         # Releases not sent yet (RELEASE_DELAY), by participant: (context id, told).
@@ -487,8 +487,17 @@ class Autograd:
         after the first; a drain and ``wait_releases`` do at once)."""
         with self._pending_lock:
             unsent, self._unsent = self._unsent, {}
-        for peer, releases in unsent.values():
-            self._track(self._send_releases(peer, releases))
+            if not unsent:
+                return
+            flushing: torch.futures.Future = torch.futures.Future()  # until what it took is tracked
+            self._pending_releases.add(flushing)
+        try:
+            for peer, releases in unsent.values():
+                self._track(self._send_releases(peer, releases))
+        finally:
+            with self._pending_lock:
+                self._pending_releases.discard(flushing)
+            flushing.set_result(None)
 
     def _track(self, future: torch.futures.Future | None) -> None:
         """Keep a release under way until it is answered (``wait_releases``)."""
@@ -565,34 +574,3 @@ class Autograd:
 
 def _release_failed(error: BaseException) -> None:
     log.debug("rrpc: a context release failed: %s", error)
-
-
-class _Hooks:
-    """What the agent calls for messages in a context (``agent.AutogradHooks``)."""
-
-    def __init__(self, table: ContextTable):
-        self.table = table
-
-    def on_send(
-        self, context_id: int, peer: WorkerInfo, key: MessageKey, tensors: list[torch.Tensor]
-    ) -> None:
-        context = self.table.get_or_create(context_id)
-        if context is not None:
-            context.record_send(key, peer, tensors)
-
-    def tensor_hook(
-        self, context_id: int, peer: WorkerInfo, key: MessageKey
-    ) -> Callable[[torch.Tensor], torch.Tensor]:
-        index = 0
-
-        def receive(tensor: torch.Tensor) -> torch.Tensor:
-            nonlocal index
-            if index == 0:
-                context = self.table.get_or_create(context_id)
-                if context is None:  # a late message of a released context
-                    return tensor.requires_grad_()
-                context.record_recv(key, peer)
-            index += 1
-            return _receive(context_id, key, index - 1, peer, tensor)
-
-        return receive

@@ -35,6 +35,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 
@@ -163,3 +164,37 @@ class ContextTable:
             "recv_records": sum(len(c.recvs) for c in contexts),
             "gradients": sum(len(c.gradients) for c in contexts),
         }
+
+
+class Hooks:
+    """What the agent calls for messages in a context (``agent.AutogradHooks``).
+    ``receive(context_id, key, index, peer, tensor)`` makes a received tensor's
+    recv node (``rrpc.autograd``'s)."""
+
+    def __init__(self, table: ContextTable, receive: Callable[..., torch.Tensor]):
+        self.table = table
+        self._receive = receive
+
+    def on_send(
+        self, context_id: int, peer: WorkerInfo, key: MessageKey, tensors: list[torch.Tensor]
+    ) -> None:
+        context = self.table.get_or_create(context_id)
+        if context is not None:
+            context.record_send(key, peer, tensors)
+
+    def tensor_hook(
+        self, context_id: int, peer: WorkerInfo, key: MessageKey
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        index = 0
+
+        def receive(tensor: torch.Tensor) -> torch.Tensor:
+            nonlocal index
+            if index == 0:
+                context = self.table.get_or_create(context_id)
+                if context is None:  # a late message of a released context
+                    return tensor.requires_grad_()
+                context.record_recv(key, peer)
+            index += 1
+            return self._receive(context_id, key, index - 1, peer, tensor)
+
+        return receive

@@ -20,7 +20,7 @@ import torch
 
 import rrpc
 from harness import Cluster, free_port, mp_context, run_workers
-from rrpc.autograd_context import ContextTable
+from rrpc.autograd_context import ContextTable, Hooks
 from rrpc.messages import AUTOGRAD_BACKWARD, WorkerInfo
 
 ATOL = 1e-6
@@ -147,6 +147,38 @@ def _chain_over_three_workers():
 def test_chain_over_three_workers_gradients_equal_local_ones(cluster, no_state_left_behind):
     distributed, local = cluster.run(_chain_over_three_workers)
     assert_each_close(distributed, local)
+
+
+def _release_the_scheduler_is_sending():
+    """What ``_wait_releases`` says while the scheduler's delayed flush has
+    taken a release from the queue and not yet sent it, and once it is let go."""
+    service = rrpc.agent.current_agent().autograd
+    taken, go = threading.Event(), threading.Event()
+    real_send = service._send_releases
+
+    def held_on_the_scheduler(peer, releases):
+        if threading.current_thread().name == "rrpc-scheduler":
+            taken.set()
+            go.wait(30)
+        return real_send(peer, releases)
+
+    service._send_releases = held_on_the_scheduler
+    try:
+        with rrpc.autograd.context():
+            rrpc.rpc_sync("worker1", torch.add, args=(torch.ones(2, requires_grad=True), 1))
+        assert taken.wait(30), "the scheduler never flushed the release"
+        while_taken = rrpc.autograd._wait_releases(timeout=0.2)
+        go.set()
+        return while_taken, rrpc.autograd._wait_releases(timeout=10)
+    finally:
+        go.set()
+        service._send_releases = real_send
+
+
+def test_waiting_for_releases_waits_for_one_the_scheduler_is_sending(cluster, no_state_left_behind):
+    # A clean-clone run caught it: the release was neither queued nor under
+    # way, and the state check after the test found it pending.
+    assert cluster.run(_release_the_scheduler_is_sending) == (False, True)
 
 
 def _fan_out_fan_in():
@@ -791,7 +823,7 @@ class _RecordingAgent:
 def test_received_tensors_get_a_recv_node_and_their_gradients_go_back_to_the_sender():
     table = ContextTable(rank=0)
     context = table.create()
-    hooks = rrpc.autograd._Hooks(table)
+    hooks = Hooks(table, rrpc.autograd._receive)
     sender, key = WorkerInfo("worker1", 1), (1, 7, False)
     receive = hooks.tensor_hook(context.context_id, sender, key)
     a, b = receive(torch.ones(2)), receive(torch.full((2,), 3.0))
@@ -820,14 +852,14 @@ def test_received_tensors_get_a_recv_node_and_their_gradients_go_back_to_the_sen
 
 def test_a_message_without_tensors_requiring_grad_creates_no_context():
     table = ContextTable(rank=0)
-    hooks = rrpc.autograd._Hooks(table)
+    hooks = Hooks(table, rrpc.autograd._receive)
     hooks.tensor_hook((1 << 48) + 1, WorkerInfo("worker1", 1), (1, 1, False))  # never called
     assert table.find((1 << 48) + 1) is None
 
 
 def test_send_records_keep_the_sent_tensors_until_release():
     table = ContextTable(rank=0)
-    hooks = rrpc.autograd._Hooks(table)
+    hooks = Hooks(table, rrpc.autograd._receive)
     theirs, peer, key = (2 << 48) + 5, WorkerInfo("worker2", 2), (2, 3, True)
     t = torch.ones(3, requires_grad=True)
     hooks.on_send(theirs, peer, key, [t])
