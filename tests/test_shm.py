@@ -382,3 +382,28 @@ def test_a_tensor_sent_before_its_callee_has_added_its_caller_arrives():
         env={"RRPC_SHM": "1"},
     )
     assert result[0] == float(MiB)
+
+
+def test_by_default_a_tensor_from_256_kib_takes_a_slot_and_a_smaller_one_the_stream():
+    # Below 256 KiB the lane's socket is as fast; from it, a slot is faster.
+    from rrpc import codec
+    from rrpc.messages import CALL
+
+    threshold = rrpc.RpcBackendOptions().shm_threshold
+    pool = shm.SenderPool()
+    placer = pool.towards(os.getpid())
+    try:
+        placed = {}
+        for kib in (200, 256, 300):
+            out = codec.encode(
+                CALL,
+                1,
+                (print, (torch.ones(kib * 256),), {}),
+                shared_memory=placer,
+                shm_threshold=threshold,
+            )
+            placed[kib] = pool.debug_info()["segments"]
+        assert placed == {200: 0, 256: 1, 300: 2}, placed
+        del out
+    finally:
+        pool.close()
