@@ -6,6 +6,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.stamp
 PYTEST_ARGS ?=
+# Tests run in this many pytest-xdist processes, a module's tests in one of them
+# (its module-scoped world is started once). Most of a test is waiting on its
+# workers, so two processes on two cores halve the wall time; 0 runs in-process.
+PYTEST_WORKERS ?= 2
 
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
@@ -23,7 +27,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -ra --durations=10 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -ra --durations=10 -n $(PYTEST_WORKERS) --dist loadscope $(PYTEST_ARGS)
 
 # pytest exits 5 when nothing is selected; no slow test yet is not a failure.
 test-slow: $(STAMP)
