@@ -125,6 +125,29 @@ def test_one_hop_gradients_equal_local_ones(cluster, no_state_left_behind):
     assert_each_close(distributed, local)
 
 
+def _backward_bytes_sent():
+    row = rrpc.stats("function").get("AUTOGRAD_BACKWARD")
+    return row["tensor_bytes_sent"] if row else 0
+
+
+def _sum_of_a_received_tensor():
+    # A sum's gradient is one element expanded to the tensor's shape: it goes
+    # back as that element, as torch sends it (not as 64 KiB of ones).
+    (t,) = _inputs((128, 128))
+    before = _backward_bytes_sent()
+    with rrpc.autograd.context() as context_id:
+        y = rrpc.rpc_sync("worker1", torch.mul, args=(t, 3.0))
+        rrpc.autograd.backward(context_id, [y.sum()])
+        grad = rrpc.autograd.get_gradients(context_id)[t]
+    return grad, _backward_bytes_sent() - before
+
+
+def test_the_expanded_gradient_of_a_sum_goes_back_as_one_element(cluster, no_state_left_behind):
+    grad, sent = cluster.run(_sum_of_a_received_tensor)
+    assert_close(grad, torch.full((128, 128), 3.0))
+    assert sent == 4, f"{sent} tensor bytes sent for the gradient of a sum"
+
+
 def _chain_over_three_workers():
     # worker0 -> worker1 -> worker2 and back: backward goes 0 -> 1 -> 2 -> 1 -> 0.
     rrpc.rpc_sync("worker1", _make_param, args=("chain1", (4, 5), 1))
