@@ -12,6 +12,12 @@ for _path in (str(_TESTS.parent), str(_TESTS)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
+from crash_marks import (  # noqa: E402, F401 -- hooks, registered from here
+    pytest_configure,
+    pytest_runtest_logfinish,
+    pytest_runtest_setup,
+)
+
 import harness  # noqa: E402 -- needs the path above
 
 

@@ -191,3 +191,40 @@ def test_workers_exit_when_the_parent_dies():
         assert readable, f"worker {worker_pid} outlived its parent by 30 s"
     finally:
         os.close(pidfd)
+
+
+_HANGING_SUITE = """
+import time
+import pytest
+
+@pytest.mark.timeout(2)
+def test_hangs():
+    time.sleep(60)
+
+def test_after_it():
+    pass
+
+def test_and_another():
+    pass
+"""
+
+
+def test_a_test_that_ends_its_xdist_process_is_not_run_again(tmp_path):
+    # Under --dist loadscope xdist hands the module, the timed-out test
+    # included, to each new process; crash_marks skips it the second time, so
+    # the module's other tests run and the suite ends (not after 8 more timeouts).
+    (tmp_path / "test_hangs.py").write_text(_HANGING_SUITE)
+    (tmp_path / "pytest.ini").write_text("[pytest]\ntimeout_method = thread\n")
+    tests = str(Path(__file__).resolve().parent)
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "crash_marks", "-n", "2"]
+        + ["--dist", "loadscope", "-rs", "-p", "no:cacheprovider", str(tmp_path)],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": tests},
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    summary = result.stdout.strip().splitlines()[-1]
+    assert "1 failed, 2 passed, 1 skipped" in summary, result.stdout[-3000:]
+    assert "ended an earlier test process" in result.stdout
