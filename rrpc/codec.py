@@ -58,7 +58,7 @@ from rrpc.messages import (
     SerializationError,
 )
 from rrpc.shm import Placer
-from rrpc.wire import HEADER, MAX_BUFFERS, Frame, Outgoing
+from rrpc.wire import HEADER, MAX_BUFFERS, Frame, Outgoing, compact_first
 
 PICKLE_PROTOCOL = 5
 
@@ -388,12 +388,11 @@ class _CodePickler(cloudpickle.Pickler):
 
 
 class _Scratch(threading.local):
-    """Per-thread reusable pickler and envelope: building them is most of the
-    cost of a small message."""
+    """Per-thread reusable pickler: building one is most of the cost of a
+    small message."""
 
     def __init__(self) -> None:
         self.renew()
-        self.envelope = Envelope()
         self.busy = False  # a reducer that pickles (re-entrant dumps) gets fresh objects
 
     def renew(self) -> None:
@@ -498,26 +497,25 @@ def encode(
             f"message of {len(payload) + tensor_bytes} bytes to {peer} exceeds "
             f"max_message_size={max_message_size}"
         )
-    envelope = _scratch.envelope
-    envelope.Clear()
-    envelope.kind = kind
-    envelope.request_id = request_id
-    envelope.autograd_context_id = autograd_context_id
-    envelope.payload_size = len(payload)
-    streamed = raw
-    if shared_memory is not None and sizes and max(sizes) >= shm_threshold:
-        streamed = []
-        for index, view in enumerate(raw):
-            shared = (
-                shared_memory.place(view, kind == REPLY) if sizes[index] >= shm_threshold else None
-            )
-            if shared is None:
-                streamed.append(view)
-            else:
-                envelope.shared_buffers[index].CopyFrom(shared)
-                sizes[index] = 0
-    if sizes:
-        envelope.buffer_sizes.extend(sizes)
+    if shared_memory is None or not sizes or max(sizes) < shm_threshold:
+        first = compact_first(kind, request_id, autograd_context_id, payload, sizes)
+        return Outgoing([first, *raw], len(first) + tensor_bytes, tensor_bytes, grad_tensors)
+    # Some buffers go through shared memory: a protobuf envelope, with their descriptors.
+    envelope = Envelope(
+        kind=kind,
+        request_id=request_id,
+        autograd_context_id=autograd_context_id,
+        payload_size=len(payload),
+    )
+    streamed = []
+    for index, view in enumerate(raw):
+        shared = shared_memory.place(view, kind == REPLY) if sizes[index] >= shm_threshold else None
+        if shared is None:
+            streamed.append(view)
+        else:
+            envelope.shared_buffers[index].CopyFrom(shared)
+            sizes[index] = 0
+    envelope.buffer_sizes.extend(sizes)
     head = envelope.SerializeToString()
     first = HEADER.pack(len(head)) + head + payload
     size = len(first) + sum(sizes)

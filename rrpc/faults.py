@@ -268,8 +268,9 @@ class Injector:
         ``num_fail_sends`` of them have failed."""
         digest = hashlib.blake2b(name.encode(), digest_size=16)
         first = bytes(out.pieces[0])
-        (head_size,) = wire.HEADER.unpack_from(first)
-        digest.update(first[wire.HEADER.size + head_size :])  # the payload, not the envelope
+        (word,) = wire.HEADER.unpack_from(first)
+        # the payload, not the envelope
+        digest.update(first[wire.HEADER.size + wire.head_size(word) :])
         for piece in out.pieces[1:]:
             digest.update(piece)
         key = digest.digest()

@@ -7,13 +7,24 @@ schema and field meanings in ``proto/rrpc.proto``)::
     offset         size                     field
     ------------   ----------------------   ------------------------------------
     0              4                        H: envelope size, u32 little-endian
+                                            (bit 31 set: a compact envelope)
     4              H                        Envelope (protobuf): kind, request id,
                                             autograd context, payload_size,
                                             buffer_sizes[], shared_buffers{}
+                                            or compact: u32 kind, u64 request id,
+                                            u64 autograd context, u64 payload_size,
+                                            u64 buffer_sizes[] (little-endian)
     4+H            payload_size             payload (pickle protocol 5)
     4+H+P          buffer_sizes[0]          buffer 0 (a tensor's raw bytes)
     ...            ...                      ...
                    buffer_sizes[n-1]        buffer n-1
+
+Most frames (no shared-memory buffer, no bulk transfer, no handshake) carry
+the compact envelope: the same fields in a fixed layout, which costs a few
+struct operations where a protobuf message costs microseconds to build,
+parse and read on each small call (``Head``). A header word with bit 31
+clear is a protobuf ``Envelope``; one with it set cannot be (an envelope is
+at most ``MAX_ENVELOPE_SIZE`` bytes).
 
 A buffer sent through same-host shared memory (``shm.py``) has size 0 in
 ``buffer_sizes`` and a descriptor in ``shared_buffers`` under its index; the
@@ -46,7 +57,8 @@ from __future__ import annotations
 
 import mmap
 import struct
-from collections.abc import Callable, Iterator
+import types
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,11 +70,88 @@ from rrpc.messages import MessageTooLargeError, ProtocolError
 
 HEADER = struct.Struct("<I")
 MAX_ENVELOPE_SIZE = 1 << 20  # an envelope is tens of bytes; anything near this is garbage
+COMPACT = 1 << 31  # in the header word: a compact envelope (``Head``) follows
+_HEAD = struct.Struct("<IQQQ")  # a compact envelope's fixed part
+_COMPACT_FIRST = struct.Struct("<IIQQQ")  # header word and fixed part, packed at once
 # Tensor buffers in one frame. Each costs the receiver a Python object (~100
 # bytes) for as little as one byte on the wire; a message of more tensors than
 # this is refused by its sender.
 MAX_BUFFERS = 1 << 16
 GROW_FROM = 32 << 20  # a received buffer larger than this grows as its bytes arrive
+
+
+class Head:
+    """A compact envelope: the fields of the common frame, read once from a
+    fixed layout; an ``Envelope``'s attributes to the code that reads them."""
+
+    __slots__ = ("kind", "request_id", "autograd_context_id", "payload_size", "buffer_sizes")
+    shared_buffers: Mapping[int, SharedBuffer] = types.MappingProxyType({})
+    bulk = 0
+
+    def __init__(
+        self,
+        kind: int,
+        request_id: int,
+        autograd_context_id: int,
+        payload_size: int,
+        buffer_sizes: list[int],
+    ):
+        self.kind = kind
+        self.request_id = request_id
+        self.autograd_context_id = autograd_context_id
+        self.payload_size = payload_size
+        self.buffer_sizes = buffer_sizes
+
+    def envelope(self) -> Envelope:
+        """The same fields as a protobuf ``Envelope`` (to add what a compact one lacks)."""
+        return Envelope(
+            kind=self.kind,
+            request_id=self.request_id,
+            autograd_context_id=self.autograd_context_id,
+            payload_size=self.payload_size,
+            buffer_sizes=self.buffer_sizes,
+        )
+
+
+def compact_head(
+    kind: int, request_id: int, autograd_context_id: int, payload_size: int, sizes: list[int]
+) -> bytes:
+    """A frame's header word and compact envelope."""
+    head_size = _HEAD.size + 8 * len(sizes)
+    fixed = _COMPACT_FIRST.pack(
+        COMPACT | head_size, kind, request_id, autograd_context_id, payload_size
+    )
+    return fixed + struct.pack(f"<{len(sizes)}Q", *sizes) if sizes else fixed
+
+
+def compact_first(
+    kind: int, request_id: int, autograd_context_id: int, payload: bytes, sizes: list[int]
+) -> bytes:
+    """A frame's first piece (header word, compact envelope, payload)."""
+    return compact_head(kind, request_id, autograd_context_id, len(payload), sizes) + payload
+
+
+def parse_head(word: int, data: Any) -> Envelope | Head:
+    """The envelope of header word ``word`` from ``data`` (its bytes, after the
+    word). Raises ProtocolError if they are not one."""
+    if not word & COMPACT:
+        envelope = Envelope()
+        try:
+            envelope.ParseFromString(data)
+        except Exception as exc:
+            raise ProtocolError(f"unparseable envelope: {exc}") from exc
+        return envelope
+    count, odd = divmod(len(data) - _HEAD.size, 8)
+    if count < 0 or odd or count > MAX_BUFFERS:
+        raise ProtocolError(f"a compact envelope of {len(data)} bytes")
+    kind, request_id, context_id, payload_size = _HEAD.unpack_from(data)
+    sizes = list(struct.unpack_from(f"<{count}Q", data, _HEAD.size)) if count else []
+    return Head(kind, request_id, context_id, payload_size, sizes)
+
+
+def head_size(word: int) -> int:
+    """The envelope's size in bytes, from the frame's header word."""
+    return word & ~COMPACT
 
 
 @dataclass
@@ -215,21 +304,24 @@ class FrameReader:
         end = len(view)
         if end - position < HEADER.size:
             return None
-        (head_size,) = HEADER.unpack_from(view, position)
+        (word,) = HEADER.unpack_from(view, position)
+        head_size = word & ~COMPACT
         body = position + HEADER.size + head_size
         if head_size > MAX_ENVELOPE_SIZE or body > end:
             return None
-        envelope = Envelope()
-        try:
-            envelope.ParseFromString(view[position + HEADER.size : body])
-        except Exception as exc:
-            raise ProtocolError(f"unparseable envelope: {exc}") from exc
-        sizes = list(envelope.buffer_sizes)
+        envelope = parse_head(word, view[position + HEADER.size : body])
+        if type(envelope) is Head:  # noqa: E721  (the common case, without protobuf)
+            sizes = envelope.buffer_sizes
+            bulk = 0
+        else:
+            sizes = list(envelope.buffer_sizes)
+            bulk = envelope.bulk  # its buffers come on the bulk socket, not in the packet
+            if envelope.shared_buffers or len(sizes) > MAX_BUFFERS:
+                return None  # the general path, which also checks the limits
         payload_end = body + envelope.payload_size
-        bulk = envelope.bulk  # its buffers come on the bulk socket, not in the packet
         frame_end = payload_end if bulk else payload_end + sum(sizes)
-        if frame_end > end or envelope.shared_buffers or len(sizes) > MAX_BUFFERS:
-            return None  # also checks the limits, counting shared buffers
+        if frame_end > end:
+            return None
         if self.max_message_size and frame_end - body > self.max_message_size:
             return None  # the general path raises the error
         if bulk:
@@ -254,7 +346,8 @@ class FrameReader:
             position += take
             if len(self._head) < HEADER.size:
                 return position
-        (head_size,) = HEADER.unpack_from(self._head)
+        (word,) = HEADER.unpack_from(self._head)
+        head_size = word & ~COMPACT
         if head_size > MAX_ENVELOPE_SIZE:
             raise ProtocolError(f"envelope of {head_size} bytes (limit {MAX_ENVELOPE_SIZE})")
         needed = HEADER.size + head_size - len(self._head)
@@ -263,11 +356,7 @@ class FrameReader:
         position += take
         if take < needed:
             return position
-        envelope = Envelope()
-        try:
-            envelope.ParseFromString(bytes(self._head[HEADER.size :]))
-        except Exception as exc:
-            raise ProtocolError(f"unparseable envelope: {exc}") from exc
+        envelope = parse_head(word, bytes(self._head[HEADER.size :]))
         size = _declared_size(envelope)
         if self.max_message_size and size > self.max_message_size:
             raise MessageTooLargeError(
@@ -377,12 +466,14 @@ class FrameReader:
 def with_bulk(first: bytes, transfer: int) -> bytes:
     """A frame's first piece (header, envelope, payload) with its envelope's
     ``bulk`` set to ``transfer``: its buffers go on the bulk socket instead."""
-    (head_size,) = HEADER.unpack_from(first)
-    envelope = Envelope()
-    envelope.ParseFromString(first[HEADER.size : HEADER.size + head_size])
+    (word,) = HEADER.unpack_from(first)
+    end = HEADER.size + (word & ~COMPACT)
+    envelope = parse_head(word, first[HEADER.size : end])
+    if isinstance(envelope, Head):
+        envelope = envelope.envelope()
     envelope.bulk = transfer
     head = envelope.SerializeToString()
-    return b"".join((HEADER.pack(len(head)), head, first[HEADER.size + head_size :]))
+    return b"".join((HEADER.pack(len(head)), head, first[end:]))
 
 
 def packets(pieces: Iterator[Any], packet_size: int) -> Iterator[bytes]:

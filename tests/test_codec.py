@@ -379,11 +379,44 @@ def test_a_buffer_larger_than_grow_from_arrives_whole_and_writable_whatever_the_
         got_big.add_(1)  # built over the received memory, which is writable
 
 
-def test_reader_rejects_an_absurd_envelope_size():
+@pytest.mark.parametrize("word", [0x7FFFFFF0, 0xFFFFFFF0])  # protobuf, compact
+def test_reader_rejects_an_absurd_envelope_size(word):
     reader = FrameReader()
     with pytest.raises(ProtocolError) as error:
-        reader.feed(struct.pack("<I", 0xFFFFFFF0) + b"x" * 16)
-    assert str(0xFFFFFFF0) in str(error.value)
+        reader.feed(struct.pack("<I", word) + b"x" * 16)
+    assert str(0x7FFFFFF0) in str(error.value)
+
+
+@pytest.mark.parametrize("size", [0, 27, 29, 35])  # the fixed part is 28 bytes, sizes 8 each
+def test_reader_rejects_a_compact_envelope_of_a_wrong_size(size):
+    reader = FrameReader()
+    with pytest.raises(ProtocolError) as error:
+        reader.feed(struct.pack("<I", wire.COMPACT | size) + b"\0" * size)
+    assert f"compact envelope of {size} bytes" in str(error.value)
+
+
+def test_small_frames_carry_the_compact_envelope_and_protobuf_ones_still_read():
+    tensors = (torch.arange(5, dtype=torch.int16), torch.ones(3))
+    out = codec.encode(REPLY, 7, tensors, autograd_context_id=(1 << 48) | 9)
+    first = bytes(out.pieces[0])
+    (word,) = wire.HEADER.unpack_from(first)
+    assert word & wire.COMPACT and wire.head_size(word) == 28 + 8 * 2
+    (frame,) = FrameReader().feed(b"".join(bytes(piece) for piece in out.pieces))
+    head = frame.envelope
+    assert isinstance(head, wire.Head)
+    assert (head.kind, head.request_id, head.autograd_context_id) == (REPLY, 7, (1 << 48) | 9)
+    assert head.buffer_sizes == [10, 12] and not head.shared_buffers and not head.bulk
+    back = codec.loads(frame)
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(back, tensors, strict=True))
+    # The same frame with its envelope in protobuf (as shared-memory and bulk
+    # frames are sent) reads the same.
+    envelope = head.envelope().SerializeToString()
+    rest = first[4 + wire.head_size(word) :]
+    pieces = [wire.HEADER.pack(len(envelope)) + envelope + rest, *out.pieces[1:]]
+    (again,) = FrameReader().feed(b"".join(bytes(piece) for piece in pieces))
+    assert not isinstance(again.envelope, wire.Head)
+    assert again.envelope.request_id == 7 and list(again.envelope.buffer_sizes) == [10, 12]
+    assert all(torch.equal(a, b) for a, b in zip(codec.loads(again), tensors, strict=True))
 
 
 def test_reader_rejects_an_unparseable_envelope():

@@ -139,11 +139,13 @@ def _seed_frames() -> list[bytes]:
 
 
 def _split(frame: bytes):
-    """(envelope, payload, buffers) of a valid frame."""
-    (head_size,) = wire.HEADER.unpack_from(frame)
-    envelope = Envelope()
-    envelope.ParseFromString(frame[4 : 4 + head_size])
-    position = 4 + head_size
+    """(envelope, payload, buffers) of a valid frame; a compact envelope comes
+    back as an ``Envelope`` (the mutators set its fields)."""
+    (word,) = wire.HEADER.unpack_from(frame)
+    position = 4 + wire.head_size(word)
+    envelope = wire.parse_head(word, frame[4:position])
+    if isinstance(envelope, wire.Head):
+        envelope = envelope.envelope()
     payload = frame[position : position + envelope.payload_size]
     position += envelope.payload_size
     buffers = []
@@ -154,6 +156,17 @@ def _split(frame: bytes):
 
 
 def _join(envelope: Envelope, payload: bytes, buffers: list[bytes]) -> bytes:
+    """A frame's bytes; compact, as a sender writes it, unless the envelope
+    has what only a protobuf one carries."""
+    if not (envelope.shared_buffers or envelope.bulk or envelope.HasField("handshake")):
+        head = wire.compact_head(
+            envelope.kind,
+            envelope.request_id,
+            envelope.autograd_context_id,
+            envelope.payload_size,  # as a mutator left it, maybe a lie
+            list(envelope.buffer_sizes),
+        )
+        return head + payload + b"".join(buffers)
     head = envelope.SerializeToString()
     return wire.HEADER.pack(len(head)) + head + payload + b"".join(buffers)
 

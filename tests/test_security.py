@@ -185,7 +185,7 @@ def _hostile_bytes(address, marker_dir):
 
     authorized = {"metadata": rank, "token": TOKEN}
     malformed = {
-        "absurd envelope size": struct.pack("<I", 0xFFFFFFF0) + b"\0" * 64,
+        "absurd envelope size": struct.pack("<I", 0x7FFFFFF0) + b"\0" * 64,
         "unparseable envelope": _frame(CALL, 1, b"", envelope_bytes=b"\xff" * 12),
     }
     for name, packet in malformed.items():
@@ -375,7 +375,7 @@ def test_absurd_envelope_size_ends_that_stream_with_a_clear_error(world):
     assert seen["replies"] == 0
     assert seen["error"]["code"] == "INVALID_ARGUMENT"
     assert "malformed frame" in seen["error"]["details"]
-    assert str(0xFFFFFFF0) in seen["error"]["details"]
+    assert str(0x7FFFFFF0) in seen["error"]["details"]
 
 
 def test_unparseable_envelope_ends_that_stream_with_a_clear_error(world):
