@@ -321,7 +321,8 @@ class Agent:
         return timeout
 
     def peer_stats(self, peer: WorkerInfo) -> metrics.Row:
-        return self.metrics.peer(peer.name)
+        """Where ``peer``'s traffic that belongs to no call is counted (a late reply)."""
+        return self.metrics.late_row(peer.name)
 
     def queue_depth(self) -> int:
         """Requests waiting for a worker thread."""
@@ -369,8 +370,8 @@ class Agent:
         else:
             future = Future()
         now = time.monotonic()
-        rows = self.metrics.sent(peer.name, kind, obj, out.size, out.tensor_bytes)
-        if self.calls.open(request_id, future, peer, what, timeout, now, connection, rows):
+        row = self.metrics.sent(peer.name, kind, obj, out.size, out.tensor_bytes)
+        if self.calls.open(request_id, future, peer, what, timeout, now, connection, row):
             self._deadlines.watch(now + timeout)
         if route is not None:
             route.expect()  # before any write: a delayed one must still be read
@@ -460,7 +461,7 @@ class Agent:
         if self.suspects:
             self.suspects.discard(peer.id)
         latency = time.monotonic() - pending.started
-        metrics.answered(pending.rows, size, tensor_bytes, latency, envelope.kind == ERROR)
+        metrics.answered(pending.row, size, tensor_bytes, latency, envelope.kind == ERROR)
         hook = None
         context_id = envelope.autograd_context_id
         if context_id and self.autograd_hooks is not None:
@@ -470,7 +471,7 @@ class Agent:
             value = codec.loads(frame, peer, hook, self.unpickle)
         except Exception as exc:
             if envelope.kind != ERROR:
-                metrics.undecodable(pending.rows)
+                metrics.undecodable(pending.row)
             settle(pending.future, error=exc)
             return True
         if envelope.kind == ERROR:
@@ -482,7 +483,7 @@ class Agent:
     def _expire(self, call: Call) -> None:
         if isinstance(call.stream, lane.Lane):
             call.stream.ended()
-        metrics.ended(call.rows, timed_out=True)
+        metrics.ended(call.row, timed_out=True)
         settle(
             call.future,
             error=RpcTimeoutError(
@@ -511,7 +512,7 @@ class Agent:
         else:
             reason = error or PeerUnavailableError(f"stream to {peer.name} closed")
         for call in self.calls.broken(connection):  # not calls already on a newer stream
-            metrics.ended(call.rows, timed_out=False)
+            metrics.ended(call.row, timed_out=False)
             settle(call.future, error=type(reason)(f"{call.what} on {peer.name} failed: {reason}"))
 
     # -- Lifecycle -------------------------------------------------------------
@@ -544,7 +545,7 @@ class Agent:
         self.ready.set()  # release requests that waited for an init that failed
         self._stopped = True
         for call in self.calls.close_all():
-            metrics.ended(call.rows, timed_out=False)
+            metrics.ended(call.row, timed_out=False)
             settle(call.future, error=RpcError(f"rrpc on {self.info.name} shut down"))
         self.routes.stop(graceful, deadline)
         if self.lane_listener is not None:

@@ -49,7 +49,7 @@ class Call:
     deadline: float  # time.monotonic() seconds; math.inf: none
     started: float
     stream: Any  # the connection it went out on (identity only)
-    rows: Any = None  # the metrics rows it counts in (metrics.Rows)
+    row: Any = None  # the metrics row it counts in (a metrics.Row)
 
     @property
     def timeout(self) -> float:
@@ -72,12 +72,12 @@ class CallTable:
         timeout: float,
         now: float,
         stream: Any = None,
-        rows: Any = None,
+        row: Any = None,
     ) -> bool:
         """Record a call sent at ``now``, ``timeout`` seconds to live (0: none).
         True if its deadline is now the earliest: the deadline watcher must wake."""
         deadline = now + timeout if timeout > 0 else math.inf
-        self._calls[request_id] = Call(request_id, future, peer, what, deadline, now, stream, rows)
+        self._calls[request_id] = Call(request_id, future, peer, what, deadline, now, stream, row)
         if deadline < self._earliest:
             self._earliest = deadline
             return True

@@ -87,18 +87,18 @@ class Dispatcher:
                 hook = self._agent.autograd_hooks.tensor_hook(context_id, peer, key)
             request, waits = codec.loads_waiting(frame, peer, hook, self._agent.unpickle)
         except BaseException as exc:
-            rows = self._agent.metrics.served(peer.name, envelope.kind, None, size, tensor_bytes)
-            self._reply_error(exc, peer, envelope.request_id, respond, rows)
+            row = self._agent.metrics.served(peer.name, envelope.kind, None, size, tensor_bytes)
+            self._reply_error(exc, peer, envelope.request_id, respond, row)
             return
         del frame
-        rows = self._agent.metrics.served(peer.name, envelope.kind, request, size, tensor_bytes)
+        row = self._agent.metrics.served(peer.name, envelope.kind, request, size, tensor_bytes)
         # The request travels in a box that its run empties: nothing of this
         # worker's keeps what it was sent past the function's own use (a large
         # argument's shared-memory slot is freed, or returned to its sender,
         # before the reply leaves: shm.py).
         box = [request]
         del request
-        run = (self._run, handler, box, peer, envelope.request_id, context_id, respond, rows)
+        run = (self._run, handler, box, peer, envelope.request_id, context_id, respond, row)
         if not waits:
             run[0](*run[1:])
             return
@@ -117,44 +117,44 @@ class Dispatcher:
             on_done(wait, ready)
 
     def _run(
-        self, handler, box: list, peer: WorkerInfo, request_id: int, context_id: int, respond, rows
+        self, handler, box: list, peer: WorkerInfo, request_id: int, context_id: int, respond, row
     ):
         previous_context = thread_state.autograd_context_id
         thread_state.autograd_context_id = context_id
         try:
             result = handler(box.pop(), peer)
         except BaseException as exc:
-            self._reply_error(exc, peer, request_id, respond, rows)
+            self._reply_error(exc, peer, request_id, respond, row)
             return
         finally:
             thread_state.autograd_context_id = previous_context
         if isinstance(result, Deferred):
             if result.future.done():  # answered already (a value at hand): reply now
-                self._reply_future(result.future, peer, request_id, context_id, respond, rows)
+                self._reply_future(result.future, peer, request_id, context_id, respond, row)
                 return
             on_done(
                 result.future,
-                lambda done: self._reply_future(done, peer, request_id, context_id, respond, rows),
+                lambda done: self._reply_future(done, peer, request_id, context_id, respond, row),
             )
         else:
             box.append(result)
             del result
-            self._reply(box, peer, request_id, context_id, respond, rows)
+            self._reply(box, peer, request_id, context_id, respond, row)
 
-    def _reply_future(self, done, peer, request_id, context_id, respond, rows) -> None:
+    def _reply_future(self, done, peer, request_id, context_id, respond, row) -> None:
         try:
             result = done.value()
         except BaseException as exc:
             # See api.rpc_sync: drop the frames (and the future) from the traceback.
             del done
-            self._reply_error(exc, peer, request_id, respond, rows)
+            self._reply_error(exc, peer, request_id, respond, row)
             exc.__traceback__ = None
             return
         box = [result]
         del result
-        self._reply(box, peer, request_id, context_id, respond, rows)
+        self._reply(box, peer, request_id, context_id, respond, row)
 
-    def _reply(self, box: list, peer: WorkerInfo, request_id: int, context_id: int, respond, rows):
+    def _reply(self, box: list, peer: WorkerInfo, request_id: int, context_id: int, respond, row):
         """Answer with the result in ``box``, which it empties: the result is
         not kept here while the reply is written."""
         try:
@@ -162,12 +162,12 @@ class Dispatcher:
                 REPLY, request_id, box.pop(), peer, context_id, (peer.id, request_id, True)
             )
         except BaseException as exc:
-            self._reply_error(exc, peer, request_id, respond, rows)
+            self._reply_error(exc, peer, request_id, respond, row)
             return
-        metrics.replied(rows, out.size, out.tensor_bytes, error=False)
+        metrics.replied(row, out.size, out.tensor_bytes, error=False)
         respond(out.pieces)
 
-    def _reply_error(self, exc: BaseException, peer: WorkerInfo, request_id: int, respond, rows):
+    def _reply_error(self, exc: BaseException, peer: WorkerInfo, request_id: int, respond, row):
         payload = messages.remote_exception_payload(exc, self._agent.info.name)
         if getattr(exc, "remote_origin", None) is None:  # raised here, not passed on
             _, type_name, _, text, _ = payload
@@ -181,5 +181,5 @@ class Dispatcher:
                 logger=request_errors_log,
             )
         out = codec.encode(ERROR, request_id, payload, peer=peer)
-        metrics.replied(rows, out.size, out.tensor_bytes, error=True)
+        metrics.replied(row, out.size, out.tensor_bytes, error=True)
         respond(out.pieces)

@@ -2,16 +2,17 @@
 
 Rules
 
-- Always on, and cheap: a call costs a few attribute increments on two rows
-  (its peer's, its function's), one histogram bucket per reply, and the
-  function's name; about 1.5 µs per call, caller and callee together
-  (``benchmarks/bench.py --overhead``). No lock: with the GIL of CPython
+- Always on, and cheap: a call costs a few attribute increments on one row
+  (its cell: its peer and its function), one histogram bucket per reply,
+  and the function's name; the rows by peer and by function are the sums
+  of the cells, made when they are read (``rrpc.stats()``, a scrape), not
+  on the call's path (``benchmarks/bench.py --overhead``). No lock: with the GIL of CPython
   3.11+ an attribute or list-item increment has no thread switch inside it
   (older ones may rarely lose one), and rows are written only through the
   functions below.
 - Memory is bounded: a latency histogram has a fixed number of buckets, and
-  there is at most ``MAX_FUNCTIONS`` function rows (the rest are counted
-  under ``OTHER_FUNCTIONS``).
+  there is at most ``MAX_FUNCTIONS`` functions (the rest are counted under
+  ``OTHER_FUNCTIONS``), so at most that many cells per peer.
 - The agent calls ``Metrics.sent`` and then ``answered`` (``undecodable``),
   ``ended`` or ``late`` for the calls it sends, ``Metrics.served`` and then
   ``replied`` for the requests it serves; nothing here knows about streams
@@ -150,82 +151,107 @@ class Row:
             "latency_p99_us": self.percentile_us(0.99),
         }
 
-
-Rows = tuple[Row, Row]  # (the peer's, the function's)
+    def add(self, other: Row) -> None:
+        """Count ``other``'s calls in this row too (a sum of cells)."""
+        for name in Row.__slots__:
+            if name != "latency":
+                setattr(self, name, getattr(self, name) + getattr(other, name))
+        if other.latency is not None:
+            if self.latency is None:
+                self.latency = [0] * BUCKETS
+            self.latency = [a + b for a, b in zip(self.latency, other.latency, strict=True)]
 
 
 class Metrics:
-    """One worker's rows, by peer name and by function."""
+    """One worker's rows: a cell per peer and function, summed by peer and
+    by function when read."""
 
     def __init__(self) -> None:
-        self.peers: dict[str, Row] = {}
-        self.functions: dict[str, Row] = {}
+        self.cells: dict[tuple[str, str], Row] = {}
+        self._functions: set[str] = set()
+        self._late: dict[str, Row] = {}  # a peer's replies that came after their call ended
 
-    def peer(self, name: str) -> Row:
-        row = self.peers.get(name)
+    def cell(self, peer: str, function: str) -> Row:
+        """The row of ``peer``'s calls of ``function`` (made at its first call)."""
+        row = self.cells.get((peer, function))
         if row is None:
-            row = self.peers.setdefault(name, Row())
+            if function not in self._functions:
+                if len(self._functions) >= MAX_FUNCTIONS:
+                    function = OTHER_FUNCTIONS
+                self._functions.add(function)
+            row = self.cells.setdefault((peer, function), Row())
         return row
 
-    def function(self, name: str) -> Row:
-        row = self.functions.get(name)
+    def late_row(self, peer: str) -> Row:
+        """Where a reply to ``peer``'s call that ended already is counted (``late``)."""
+        row = self._late.get(peer)
         if row is None:
-            if len(self.functions) >= MAX_FUNCTIONS:
-                name = OTHER_FUNCTIONS
-            row = self.functions.setdefault(name, Row())
+            row = self._late.setdefault(peer, Row())
         return row
 
-    def sent(self, peer: str, kind: int, obj: Any, size: int, tensor_bytes: int) -> Rows:
-        """A request went to ``peer``; the rows its reply will count in."""
-        rows = self.peer(peer), self.function(function_of(kind, obj))
-        for row in rows:
-            row.calls_sent += 1
-            row.bytes_sent += size
-            row.tensor_bytes_sent += tensor_bytes
-        return rows
+    @property
+    def peers(self) -> dict[str, Row]:
+        """A row per peer: the sum of its cells (a snapshot)."""
+        summed: dict[str, Row] = {}
+        for (peer, _), cell in list(self.cells.items()):
+            summed.setdefault(peer, Row()).add(cell)
+        for peer, row in list(self._late.items()):
+            summed.setdefault(peer, Row()).add(row)
+        return summed
 
-    def served(self, peer: str, kind: int, request: Any, size: int, tensor_bytes: int) -> Rows:
+    @property
+    def functions(self) -> dict[str, Row]:
+        """A row per function: the sum of its cells (a snapshot)."""
+        summed: dict[str, Row] = {}
+        for (_, function), cell in list(self.cells.items()):
+            summed.setdefault(function, Row()).add(cell)
+        return summed
+
+    def sent(self, peer: str, kind: int, obj: Any, size: int, tensor_bytes: int) -> Row:
+        """A request went to ``peer``; the row its reply will count in."""
+        row = self.cell(peer, function_of(kind, obj))
+        row.calls_sent += 1
+        row.bytes_sent += size
+        row.tensor_bytes_sent += tensor_bytes
+        return row
+
+    def served(self, peer: str, kind: int, request: Any, size: int, tensor_bytes: int) -> Row:
         """A request came from ``peer`` (``request``: decoded, or None if it did not decode)."""
         name = function_of(kind, request) if request is not None else kind_label(kind)
-        rows = self.peer(peer), self.function(name)
-        for row in rows:
-            row.calls_served += 1
-            row.bytes_received += size
-            row.tensor_bytes_received += tensor_bytes
-        return rows
-
-
-def answered(rows: Rows, size: int, tensor_bytes: int, latency: float, error: bool) -> None:
-    """The reply to a call sent came, ``latency`` seconds after it went."""
-    bucket = bucket_of(latency)
-    for row in rows:
-        row.replies += 1
-        row.ended += 1
+        row = self.cell(peer, name)
+        row.calls_served += 1
         row.bytes_received += size
         row.tensor_bytes_received += tensor_bytes
-        row.latency_total += latency
-        counts = row.latency
-        if counts is None:
-            counts = row.latency = [0] * BUCKETS
-        counts[bucket] += 1
-        if error:
-            row.errors += 1
+        return row
 
 
-def undecodable(rows: Rows) -> None:
-    """A reply (not an error reply) that did not decode: the call failed."""
-    for row in rows:
+def answered(row: Row, size: int, tensor_bytes: int, latency: float, error: bool) -> None:
+    """The reply to a call sent came, ``latency`` seconds after it went."""
+    row.replies += 1
+    row.ended += 1
+    row.bytes_received += size
+    row.tensor_bytes_received += tensor_bytes
+    row.latency_total += latency
+    counts = row.latency
+    if counts is None:
+        counts = row.latency = [0] * BUCKETS
+    counts[bucket_of(latency)] += 1
+    if error:
         row.errors += 1
 
 
-def ended(rows: Rows, timed_out: bool) -> None:
+def undecodable(row: Row) -> None:
+    """A reply (not an error reply) that did not decode: the call failed."""
+    row.errors += 1
+
+
+def ended(row: Row, timed_out: bool) -> None:
     """A call sent ended without a reply: its deadline passed, or it failed."""
-    for row in rows:
-        row.ended += 1
-        if timed_out:
-            row.timeouts += 1
-        else:
-            row.errors += 1
+    row.ended += 1
+    if timed_out:
+        row.timeouts += 1
+    else:
+        row.errors += 1
 
 
 def late(row: Row, size: int, tensor_bytes: int) -> None:
@@ -234,13 +260,12 @@ def late(row: Row, size: int, tensor_bytes: int) -> None:
     row.tensor_bytes_received += tensor_bytes
 
 
-def replied(rows: Rows, size: int, tensor_bytes: int, error: bool) -> None:
+def replied(row: Row, size: int, tensor_bytes: int, error: bool) -> None:
     """A request served was answered (``error``: with an error)."""
-    for row in rows:
-        row.bytes_sent += size
-        row.tensor_bytes_sent += tensor_bytes
-        if error:
-            row.errors_served += 1
+    row.bytes_sent += size
+    row.tensor_bytes_sent += tensor_bytes
+    if error:
+        row.errors_served += 1
 
 
 def kind_label(kind: int) -> str:

@@ -55,10 +55,11 @@ Rules:
 
 from __future__ import annotations
 
+import collections
 import mmap
 import struct
 import types
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +74,7 @@ MAX_ENVELOPE_SIZE = 1 << 20  # an envelope is tens of bytes; anything near this 
 COMPACT = 1 << 31  # in the header word: a compact envelope (``Head``) follows
 _HEAD = struct.Struct("<IQQQ")  # a compact envelope's fixed part
 _COMPACT_FIRST = struct.Struct("<IIQQQ")  # header word and fixed part, packed at once
+_COMPACT_BARE = COMPACT | _HEAD.size  # the header word of a compact frame without buffers
 # Tensor buffers in one frame. Each costs the receiver a Python object (~100
 # bytes) for as little as one byte on the wire; a message of more tensors than
 # this is refused by its sender.
@@ -80,27 +82,20 @@ MAX_BUFFERS = 1 << 16
 GROW_FROM = 32 << 20  # a received buffer larger than this grows as its bytes arrive
 
 
-class Head:
+class Head(
+    collections.namedtuple(
+        "Head", ["kind", "request_id", "autograd_context_id", "payload_size", "buffer_sizes"]
+    )
+):
     """A compact envelope: the fields of the common frame, read once from a
-    fixed layout; an ``Envelope``'s attributes to the code that reads them."""
+    fixed layout; an ``Envelope``'s attributes to the code that reads them
+    (``buffer_sizes`` a tuple). A tuple, built in C (``_new_head``): no
+    Python frame per message."""
 
-    __slots__ = ("kind", "request_id", "autograd_context_id", "payload_size", "buffer_sizes")
+    __slots__ = ()
+    # What only a protobuf envelope carries: none, in a compact one.
     shared_buffers: Mapping[int, SharedBuffer] = types.MappingProxyType({})
     bulk = 0
-
-    def __init__(
-        self,
-        kind: int,
-        request_id: int,
-        autograd_context_id: int,
-        payload_size: int,
-        buffer_sizes: list[int],
-    ):
-        self.kind = kind
-        self.request_id = request_id
-        self.autograd_context_id = autograd_context_id
-        self.payload_size = payload_size
-        self.buffer_sizes = buffer_sizes
 
     def envelope(self) -> Envelope:
         """The same fields as a protobuf ``Envelope`` (to add what a compact one lacks)."""
@@ -128,6 +123,11 @@ def compact_first(
     kind: int, request_id: int, autograd_context_id: int, payload: bytes, sizes: list[int]
 ) -> bytes:
     """A frame's first piece (header word, compact envelope, payload)."""
+    if not sizes:
+        fixed = _COMPACT_FIRST.pack(
+            _COMPACT_BARE, kind, request_id, autograd_context_id, len(payload)
+        )
+        return fixed + payload
     return compact_head(kind, request_id, autograd_context_id, len(payload), sizes) + payload
 
 
@@ -144,9 +144,11 @@ def parse_head(word: int, data: Any) -> Envelope | Head:
     count, odd = divmod(len(data) - _HEAD.size, 8)
     if count < 0 or odd or count > MAX_BUFFERS:
         raise ProtocolError(f"a compact envelope of {len(data)} bytes")
-    kind, request_id, context_id, payload_size = _HEAD.unpack_from(data)
-    sizes = list(struct.unpack_from(f"<{count}Q", data, _HEAD.size)) if count else []
-    return Head(kind, request_id, context_id, payload_size, sizes)
+    sizes = struct.unpack_from(f"<{count}Q", data, _HEAD.size) if count else ()
+    return _new_head(Head, (*_HEAD.unpack_from(data), sizes))
+
+
+_new_head = tuple.__new__
 
 
 def head_size(word: int) -> int:
@@ -305,11 +307,21 @@ class FrameReader:
         if end - position < HEADER.size:
             return None
         (word,) = HEADER.unpack_from(view, position)
+        if word == _COMPACT_BARE and end - position >= _COMPACT_FIRST.size:
+            # The commonest frame (a small call, a reply): no tensor buffer.
+            fixed = _HEAD.unpack_from(view, position + HEADER.size)
+            body = position + _COMPACT_FIRST.size
+            frame_end = body + fixed[3]
+            if frame_end > end or self.max_message_size and fixed[3] > self.max_message_size:
+                return None  # the general path reads on, or raises the error
+            frame = Frame(_new_head(Head, (*fixed, ())), bytes(view[body:frame_end]), [])
+            return frame, frame_end
         head_size = word & ~COMPACT
         body = position + HEADER.size + head_size
         if head_size > MAX_ENVELOPE_SIZE or body > end:
             return None
         envelope = parse_head(word, view[position + HEADER.size : body])
+        sizes: Sequence[int]
         if type(envelope) is Head:  # noqa: E721  (the common case, without protobuf)
             sizes = envelope.buffer_sizes
             bulk = 0

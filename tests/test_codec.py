@@ -405,7 +405,7 @@ def test_small_frames_carry_the_compact_envelope_and_protobuf_ones_still_read():
     head = frame.envelope
     assert isinstance(head, wire.Head)
     assert (head.kind, head.request_id, head.autograd_context_id) == (REPLY, 7, (1 << 48) | 9)
-    assert head.buffer_sizes == [10, 12] and not head.shared_buffers and not head.bulk
+    assert head.buffer_sizes == (10, 12) and not head.shared_buffers and not head.bulk
     back = codec.loads(frame)
     assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(back, tensors, strict=True))
     # The same frame with its envelope in protobuf (as shared-memory and bulk

@@ -21,6 +21,7 @@ import torch
 import rrpc
 from harness import free_port, mp_context, run_workers
 from rrpc import metrics
+from rrpc.messages import CALL
 from rrpc.pool import WorkerPool
 
 pytestmark = pytest.mark.timeout(120)
@@ -44,12 +45,31 @@ def test_percentiles_are_within_half_a_bucket_of_the_exact_sample():
     samples = [generator.lognormvariate(math.log(300e-6), 1.0) for _ in range(5000)]
     row = metrics.Row()
     for latency in samples:
-        metrics.answered((row, metrics.Row()), 0, 0, latency, error=False)
+        metrics.answered(row, 0, 0, latency, error=False)
     ordered = sorted(samples)
     for q in (0.5, 0.99):
         exact_us = 1e6 * ordered[math.ceil(q * len(samples)) - 1]
         assert abs(row.percentile_us(q) - exact_us) <= exact_us / (2 * metrics.SUB)
     assert row.replies == 5000 and row.in_flight == -5000  # answered without sent: only here
+
+
+def test_rows_by_peer_and_by_function_are_the_sums_of_the_cells():
+    table = metrics.Metrics()
+    f, g, h = math.floor, math.ceil, math.sqrt
+    for peer, function, latency in [("a", f, 1e-4), ("a", g, 2e-4), ("b", f, 4e-3)]:
+        row = table.sent(peer, CALL, (function, (), {}), 100, 10)
+        metrics.answered(row, 50, 0, latency, error=peer == "b")
+    metrics.late(table.late_row("b"), 7, 0)
+    served = table.served("b", CALL, (h, (), {}), 30, 0)
+    metrics.replied(served, 20, 0, error=False)
+    peers, functions = table.peers, table.functions
+    assert peers["a"].calls_sent == 2 and peers["b"].calls_sent == 1
+    assert peers["b"].bytes_received == 50 + 7 + 30 and peers["b"].errors == 1
+    assert peers["b"].calls_served == 1 and peers["b"].bytes_sent == 100 + 20
+    floor = functions["math.floor"]
+    assert floor.replies == 2 and floor.latency_total == 1e-4 + 4e-3 and sum(floor.latency) == 2
+    assert 150 < functions["math.ceil"].percentile_us(0.5) < 250
+    assert set(functions) == {"math.floor", "math.ceil", "math.sqrt"}  # late: the peer's alone
 
 
 def test_worker_pool_counts_the_requests_waiting_for_a_thread():
