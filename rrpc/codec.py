@@ -484,6 +484,9 @@ def encode(
     copied into its slots and only their descriptors travel in the frame.
     ``same_main``: the peer runs this worker's ``__main__`` script (see ``dumps``)."""
     payload, buffers, grad_tensors = dumps(obj, peer, same_main)
+    if not buffers and not (max_message_size and len(payload) > max_message_size):
+        first = compact_first(kind, request_id, autograd_context_id, payload, ())
+        return Outgoing([first], len(first), 0, grad_tensors)  # the commonest: no tensor
     if len(buffers) > MAX_BUFFERS:
         raise MessageTooLargeError(
             f"message to {peer} has {len(buffers)} tensor buffers, more than the "

@@ -113,7 +113,8 @@ class Lane:
         self._turn = threading.Lock()  # held by the thread reading replies
         self._open = 0  # calls sent on this lane and not ended (``ended``)
         self._open_lock = threading.Lock()
-        self._wanted = threading.Condition(threading.Lock())
+        self._wanted_lock = threading.Lock()
+        self._wanted = threading.Condition(self._wanted_lock)
         self._reading_wanted = False
         self.closed = False
         self.error: BaseException | None = None
@@ -145,7 +146,7 @@ class Lane:
         """A reply is awaited that no caller will read itself: make sure someone reads."""
         if self._turn.locked():
             return
-        with self._wanted:
+        with self._wanted_lock:
             self._reading_wanted = True
             self._wanted.notify()
 
@@ -208,7 +209,7 @@ class Lane:
     def _read_in_background(self) -> None:
         with transport_thread():
             while not self.closed:
-                with self._wanted:
+                with self._wanted_lock:
                     while not self._reading_wanted and not self.closed:
                         self._wanted.wait()
                     self._reading_wanted = False
@@ -234,7 +235,7 @@ class Lane:
         self.stream.move(streams.END, error)
         self._writer.fail(error)
         shut(self._sock)
-        with self._wanted:
+        with self._wanted_lock:
             self._wanted.notify_all()
         self._on_close(self, error)
 
@@ -246,7 +247,7 @@ class Lane:
         self.stream.move(streams.END)
         self._writer.fail(LaneBroken("lane closed"))
         shut(self._sock)
-        with self._wanted:
+        with self._wanted_lock:
             self._wanted.notify_all()
         self._on_close(self, None)
 

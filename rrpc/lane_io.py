@@ -247,6 +247,8 @@ class Writer:
             except OSError as exc:
                 self.error = LaneBroken(f"lane write failed: {exc}")
                 raise self.error from exc
+            if len(pieces) == 1 and type(pieces[0]) is bytes and sent == len(pieces[0]):
+                return []  # the common small frame, all of it sent
             pieces = advance(pieces, sent)
         return pieces
 

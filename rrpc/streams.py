@@ -140,12 +140,13 @@ class StreamState:
     def __init__(self, state: State = OPENING):
         self.state = state
         self.error: BaseException | None = None
-        self._changed = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # ``with self._lock``: no Python frame
 
     def move(self, event: Event, error: BaseException | None = None) -> bool:
         """Apply ``event``; True if it changed the state (False: the event
         changes nothing here, e.g. the stream was closed meanwhile)."""
-        with self._changed:
+        with self._lock:
             state = self.state
             following = _TRANSITIONS[state].get(event)
             if following is None:
@@ -160,7 +161,7 @@ class StreamState:
 
     def wait_while(self, *states: State) -> State:
         """Wait until the stream is in none of ``states``; the state it is in."""
-        with self._changed:
+        with self._lock:
             while self.state in states:
                 self._changed.wait()
             return self.state
@@ -195,12 +196,13 @@ class InFlight:
         self._waiting = 0  # readers waiting in ``take``: ``give`` wakes them only
         # Reentrant: a frame may be freed by a garbage collection that runs
         # while this thread holds the lock.
-        self._changed = threading.Condition(threading.RLock())
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)
 
     def take(self, weight: int, ended: Callable[[], Any]) -> bool:
         """Take ``weight``, waiting for requests to be taken up if need be;
         False if the stream ``ended`` meanwhile (nobody is left to answer)."""
-        with self._changed:
+        with self._lock:
             while self.count and self.count + weight > self.limit:
                 if ended():
                     return False
@@ -213,14 +215,14 @@ class InFlight:
         return True
 
     def give(self, weight: int = 1) -> None:
-        with self._changed:
+        with self._lock:
             self.count -= weight
             if self._waiting:
                 self._changed.notify_all()
 
     def wake(self) -> None:
         """A stream ended: its reader may be waiting in ``take``."""
-        with self._changed:
+        with self._lock:
             self._changed.notify_all()
 
 

@@ -92,7 +92,8 @@ class TakeTurns:
         # The role, under _changed: who reads (a thread ident, None: nobody),
         # since when it is lent to a request its reader runs (0.0: not lent),
         # and how many threads run a request inline (0 or 1).
-        self._changed = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # ``with self._lock``: no Python frame
         self._role: int | None = None
         self._lent_at = 0.0
         self._running = 0
@@ -146,7 +147,7 @@ class TakeTurns:
         """Hand on a request: run it here, the role lent, if no other
         thread runs one; else to the pool. Whether this thread still holds
         the role (a partner that took it over reads on from this packet)."""
-        with self._changed:
+        with self._lock:
             inline = self._running == 0
             if inline:
                 self._running = 1
@@ -159,7 +160,7 @@ class TakeTurns:
             self._on_frame(frame, True)
         finally:
             thread_state.hand_off = previous
-            with self._changed:
+            with self._lock:
                 self._running = 0
                 kept = self._role == me
                 if kept:
@@ -168,13 +169,13 @@ class TakeTurns:
 
     def _hand_off(self) -> None:
         """The request run inline on this thread waits for an RPC: the partner reads meanwhile."""
-        with self._changed:
+        with self._lock:
             if self._role == threading.get_ident() and self._lent_at:
                 self._role, self._lent_at = None, 0.0
                 self._changed.notify()
 
     def _take_role(self, me: int) -> None:
-        with self._changed:
+        with self._lock:
             while self._role is not None:
                 lent_at = self._lent_at
                 if not lent_at:
@@ -187,7 +188,7 @@ class TakeTurns:
             self._role, self._lent_at = me, 0.0
 
     def _give_up_role(self) -> None:
-        with self._changed:
+        with self._lock:
             self._role, self._lent_at = None, 0.0
             self._changed.notify_all()
 

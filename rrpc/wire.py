@@ -109,7 +109,7 @@ class Head(
 
 
 def compact_head(
-    kind: int, request_id: int, autograd_context_id: int, payload_size: int, sizes: list[int]
+    kind: int, request_id: int, autograd_context_id: int, payload_size: int, sizes: Sequence[int]
 ) -> bytes:
     """A frame's header word and compact envelope."""
     head_size = _HEAD.size + 8 * len(sizes)
@@ -120,7 +120,7 @@ def compact_head(
 
 
 def compact_first(
-    kind: int, request_id: int, autograd_context_id: int, payload: bytes, sizes: list[int]
+    kind: int, request_id: int, autograd_context_id: int, payload: bytes, sizes: Sequence[int]
 ) -> bytes:
     """A frame's first piece (header word, compact envelope, payload)."""
     if not sizes:
