@@ -84,7 +84,13 @@ from rrpc.futures import (
     wait_until,
 )
 from rrpc.messages import (
+    AUTOGRAD_RELEASE,
     ERROR,
+    RREF_ACCEPT,
+    RREF_CREATE,
+    RREF_CREATE_FAILED,
+    RREF_DELETE,
+    RREF_FORK,
     MessageKey,
     PeerUnavailableError,
     RpcError,
@@ -108,6 +114,11 @@ RESEND_DELAY = 0.1
 # shutdown past its deadline): an idle thread ends in microseconds, and one
 # still running a request is left to end by itself.
 STOP_GRACE = 0.25
+# Requests whose replies only rrpc's bookkeeping awaits: on a lane, read by
+# the next caller that leads, or soon after (``lane.Lane.read_soon``).
+READ_SOON_KINDS = frozenset(
+    {RREF_CREATE, RREF_FORK, RREF_ACCEPT, RREF_DELETE, RREF_CREATE_FAILED, AUTOGRAD_RELEASE}
+)
 # The liveness probe (``all_unreachable``) calls ``int()`` on peers, restricted or not.
 restricted.allow_call(int)
 
@@ -384,7 +395,10 @@ class Agent:
         if connection.stream.state is CLOSED:  # it broke between lookup and send: fail now
             self.on_carrier_closed(peer, connection, connection.stream.error)
         elif route is not None and not sync:
-            route.need_reader()
+            if kind in READ_SOON_KINDS:  # nobody waits for it at once: no wake-up now
+                route.read_soon(self.scheduler.call_later)
+            else:
+                route.need_reader()
         return future
 
     def send_reliably(

@@ -24,6 +24,10 @@ user: ``lane_key``) carry their calls over a lane:
   caller that finds the turn taken waits for its reply like any other. When
   replies are awaited and nobody leads (``rpc_async``, or a leader that got
   its reply while others are still open), the lane's own reader thread reads.
+  A reply that only rrpc's bookkeeping awaits (an RRef's creation, a delete:
+  ``Agent`` knows the kinds) does not wake it at once: the next caller that
+  leads reads it with its own (``remote()`` then ``to_here()`` wakes no other
+  thread), and the reader thread only if none has within ``READ_SOON``.
 - **Callee.** Two threads take turns reading the lane (``turns.TakeTurns``,
   as on a gRPC stream): the one that read a lone request runs it itself,
   lending it the read role, and reads the next one when it is done (its
@@ -79,6 +83,10 @@ from rrpc.messages import (
     transport_thread,
 )
 
+# A reply nobody waits for at once is read by the next thread that leads, or
+# by the lane's reader thread this many seconds after it was asked for (``read_soon``).
+READ_SOON = 0.002
+
 
 # -- The caller's end ------------------------------------------------------------
 class Lane:
@@ -116,6 +124,7 @@ class Lane:
         self._wanted_lock = threading.Lock()
         self._wanted = threading.Condition(self._wanted_lock)
         self._reading_wanted = False
+        self._soon = False  # a read_soon check is scheduled
         self.closed = False
         self.error: BaseException | None = None
         self._closed_once = threading.Lock()
@@ -141,6 +150,21 @@ class Lane:
         """One call sent on this lane ended (its reply, its deadline)."""
         with self._open_lock:
             self._open -= 1
+
+    def read_soon(self, call_later: Callable[..., Any]) -> None:
+        """A reply is awaited that nobody waits for at once (the bookkeeping of
+        an RRef's creation or deletion): a thread that leads reads it with its
+        own (``remote().to_here()`` wakes no other thread); if none has within
+        ``READ_SOON`` seconds, the lane's reader thread does. ``call_later``:
+        the run's scheduler's."""
+        if not self._soon:
+            self._soon = True
+            call_later(READ_SOON, self._read_if_awaited)
+
+    def _read_if_awaited(self) -> None:
+        self._soon = False
+        if self._open > 0 and not self.closed:
+            self.need_reader()
 
     def need_reader(self) -> None:
         """A reply is awaited that no caller will read itself: make sure someone reads."""

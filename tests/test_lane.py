@@ -23,6 +23,7 @@ import rrpc
 from harness import mp_context, run_workers
 from rrpc import auth, lane, lane_io
 from rrpc.agent import current_agent
+from rrpc.futures import wait_until
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import netns  # noqa: E402 -- benchmarks/netns.py
@@ -161,6 +162,47 @@ def test_a_lane_that_breaks_mid_call_fails_that_call_naming_the_peer_and_the_nex
     error, after = run_workers(_break_mid_call, args=(mp_context.Event(),), env=LANE_ON)[0]
     assert error is not None and "worker1" in error and "lane" in error
     assert after == [5.0, 5.0]
+
+
+# -- Replies only rrpc's bookkeeping awaits -------------------------------------------
+def _creations_nobody_waits_for(rank, world_size):
+    if rank != 0:
+        return None
+    rrpc.rpc_sync("worker1", torch.add, args=(torch.ones(1), 1))  # the lane is open
+    agent = current_agent()
+    lane_to = agent.routes.lane_to(agent.worker_info("worker1"))
+    woken_at_send = []
+    need_reader = lane_to.need_reader
+
+    def counted() -> None:
+        if sys._getframe(1).f_code.co_name == "_send":  # as a request is sent
+            woken_at_send.append(threading.current_thread().name)
+        need_reader()
+
+    lane_to.need_reader = counted
+    # remote() then to_here(): the caller reads the creation's reply with its
+    # fetch's, or the scheduler wakes the reader later; the send wakes no thread.
+    fetched = [
+        rrpc.remote("worker1", torch.ones, args=(2,)).to_here().sum().item() for _ in range(5)
+    ]
+    woken_by_remote = list(woken_at_send)
+    rrpc.rpc_async("worker1", torch.add, args=(torch.ones(1), 1)).wait()  # a user's: at once
+    # A creation that nothing waits for still gets read: its confirmation
+    # comes, by the lane's reader thread that the scheduler wakes.
+    alone = rrpc.remote("worker1", torch.ones, args=(3,))
+    confirmed = wait_until(alone._creation, 30.0) and alone.confirmed_by_owner()
+    pending = rrpc.rref_debug_info()["num_pending_confirmations"]
+    return fetched, woken_by_remote, len(woken_at_send), confirmed, pending
+
+
+def test_a_reply_only_the_bookkeeping_awaits_wakes_no_reader_at_once_and_is_still_read():
+    fetched, woken_by_remote, woken_in_all, confirmed, pending = run_workers(
+        _creations_nobody_waits_for, env=LANE_ON
+    )[0]
+    assert fetched == [2.0] * 5
+    assert woken_by_remote == []  # no remote() woke the lane's reader as it sent
+    assert woken_in_all == 1  # the user's rpc_async did: the check sees it
+    assert confirmed is True and pending == 0
 
 
 # -- Trust -----------------------------------------------------------------------------
