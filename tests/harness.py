@@ -79,6 +79,7 @@ mp_context = multiprocessing.get_context("forkserver")
 mp_context.set_forkserver_preload(["torch"])
 
 TERMINATE_GRACE = 3.0  # seconds between SIGTERM and SIGKILL
+STOP_WAIT = 10.0  # seconds a SIGSTOP may take to stop every thread of a worker
 ERROR_GRACE = 5.0  # once a rank has failed, how much longer the others may take to report
 EXIT_GRACE = 10.0  # how long a rank that reported success may take to exit
 # Characters of a stopped rank's stack dump kept in the error: every thread's,
@@ -131,6 +132,23 @@ def run_workers(
     """
     with WorkerGroup(fn, world_size, args, kwargs, env, names, backend_options, init) as group:
         return group.wait(timeout, may_die)
+
+
+def _wait_until_stopped(pid: int, timeout: float) -> None:
+    """Wait until every thread of ``pid`` is stopped (or gone), at most ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            states = []
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task}/stat") as stat:
+                    states.append(stat.read().rpartition(") ")[2][:1])
+        except OSError:
+            return  # it is gone
+        if all(state in "Tt" for state in states):
+            return
+        time.sleep(0.001)  # polling /proc: no event tells a stop to a non-parent
+    raise TimeoutError(f"process {pid} did not stop within {timeout} s of SIGSTOP")
 
 
 class WorkerGroup:
@@ -221,10 +239,17 @@ class WorkerGroup:
             writer.close()
 
     def send_signal(self, rank: int, sig: int) -> None:
-        """Send `sig` to `rank` and return (SIGSTOP / SIGCONT: it stays a member)."""
+        """Send `sig` to `rank` and return (SIGSTOP / SIGCONT: it stays a member).
+
+        SIGSTOP returns once every thread of the process has stopped: a stop
+        is not instant, and a thread still running on the other core (a
+        loaded host) would answer a request sent meanwhile. The workers are
+        the forkserver's children, not ours (no waitid): /proc says."""
         process = self.processes[rank]
         if process.pid is not None and process.exitcode is None:
             os.kill(process.pid, sig)
+            if sig == signal.SIGSTOP:
+                _wait_until_stopped(process.pid, STOP_WAIT)
 
     def kill(self, rank: int, sig: int = signal.SIGKILL) -> None:
         """Send `sig` to `rank` and wait for it to die; wait() then expects it dead."""
