@@ -12,7 +12,7 @@ Rules
   functions below.
 - Memory is bounded: a latency histogram has a fixed number of buckets, and
   there is at most ``MAX_FUNCTIONS`` functions (the rest are counted under
-  ``OTHER_FUNCTIONS``), so at most that many cells per peer.
+  ``OTHER_FUNCTIONS``), so at most that many cells per peer and one more.
 - The agent calls ``Metrics.sent`` and then ``answered`` (``undecodable``),
   ``ended`` or ``late`` for the calls it sends, ``Metrics.served`` and then
   ``replied`` for the requests it serves; nothing here knows about streams

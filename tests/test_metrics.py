@@ -72,6 +72,19 @@ def test_rows_by_peer_and_by_function_are_the_sums_of_the_cells():
     assert set(functions) == {"math.floor", "math.ceil", "math.sqrt"}  # late: the peer's alone
 
 
+def test_functions_past_the_bound_are_counted_under_other_functions(monkeypatch):
+    monkeypatch.setattr(metrics, "MAX_FUNCTIONS", 2)
+    table = metrics.Metrics()
+    for peer in ("a", "b"):
+        for function in (math.floor, math.ceil, math.sqrt, math.exp):
+            table.sent(peer, CALL, (function, (), {}), 1, 0)
+    functions = table.functions
+    assert set(functions) == {"math.floor", "math.ceil", metrics.OTHER_FUNCTIONS}
+    assert functions[metrics.OTHER_FUNCTIONS].calls_sent == 4  # sqrt and exp, from each peer
+    assert functions["math.floor"].calls_sent == 2  # a function under the bound, from a new peer
+    assert len(table.cells) == 6  # at most MAX_FUNCTIONS + 1 cells per peer
+
+
 def test_worker_pool_counts_the_requests_waiting_for_a_thread():
     pool = WorkerPool(1, "rrpc-test-pool")
     started, release = threading.Event(), threading.Event()
