@@ -95,6 +95,7 @@ from rrpc.messages import (
     PeerUnavailableError,
     RpcError,
     RpcTimeoutError,
+    What,
     WorkerInfo,
     thread_state,
 )
@@ -132,7 +133,7 @@ class Send(Protocol):
         kind: int,
         obj: Any,
         timeout: float,
-        what: str,
+        what: What,
         sync: bool = False,
         mode: str | None = None,
     ) -> Any: ...
@@ -355,7 +356,7 @@ class Agent:
         kind: int,
         obj: Any,
         timeout: float,
-        what: str,
+        what: What,
         sync: bool = False,
         mode: str | None = None,
     ) -> Any:
@@ -402,7 +403,7 @@ class Agent:
         return future
 
     def send_reliably(
-        self, peer: WorkerInfo, kind: int, obj: Any, timeout: float, what: str
+        self, peer: WorkerInfo, kind: int, obj: Any, timeout: float, what: What
     ) -> Future:
         """``send`` for protocol messages whose loss would leak state (RRef
         FORK, ACCEPT, DELETE; autograd context releases): one that fails

@@ -87,6 +87,11 @@ from rrpc.messages import (
 )
 from rrpc.profiling import Profiling
 
+try:  # what torch.autograd.backward runs once it has checked its arguments
+    from torch.autograd.graph import _engine_run_backward
+except ImportError:  # another torch: the public function
+    _engine_run_backward = None  # type: ignore[assignment]
+
 __all__ = ["backward", "context", "get_gradients", "is_available"]
 
 log = logging.getLogger("rrpc.autograd")
@@ -274,12 +279,18 @@ class RecvRpc(torch.autograd.Function):
 
 
 _RecvNode = RecvRpc._backward_cls
+# ``Function.apply`` without its Python layer (setup_context binding, functorch
+# unwrapping: neither applies to a tensor just decoded), a hundred bytecodes
+# less per tensor received in a context.
+_apply_recv = super(torch.autograd.Function, RecvRpc).apply
 
 
 def _receive(context_id: int, key: MessageKey, index: int, peer: WorkerInfo, tensor: torch.Tensor):
     dummy = torch.empty(0, requires_grad=True)  # never given a gradient: any shape will do
+    if torch.is_grad_enabled():
+        return _apply_recv(dummy, tensor, context_id, key, index, peer)
     with torch.enable_grad():  # decoding may run on a thread in no_grad mode
-        return RecvRpc.apply(dummy, tensor, context_id, key, index, peer)
+        return _apply_recv(dummy, tensor, context_id, key, index, peer)
 
 
 def _reachable(outputs: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[Any]]:
@@ -343,7 +354,7 @@ def _gradients(
                 tensor.grad = None
             for node in recv_nodes:
                 node.grad_to_send = None
-            torch.autograd.backward(outputs, grads, retain_graph=True, inputs=leaves + dummies)
+            _run_backward(outputs, grads, leaves + dummies)
             rewritten: list[tuple[torch.Tensor, torch.Tensor]] = []
             for leaf in earlier:
                 if leaf.grad is not None:
@@ -356,6 +367,26 @@ def _gradients(
                 tensor.grad = grad
             for node in recv_nodes:
                 node.grad_to_send = None  # the graph outlives the pass
+
+
+def _run_backward(
+    outputs: list[torch.Tensor], grads: list[torch.Tensor], inputs: list[torch.Tensor]
+) -> None:
+    """``torch.autograd.backward(outputs, grads, retain_graph=True, inputs=inputs)``
+    without its argument checks, which ours are (the engine still checks each
+    gradient's shape against its output's): about 300 bytecodes a pass."""
+    if _engine_run_backward is None:
+        torch.autograd.backward(outputs, grads, retain_graph=True, inputs=inputs)
+    else:
+        _engine_run_backward(
+            tuple(outputs),
+            tuple(grads),
+            True,  # retain_graph
+            False,  # create_graph
+            tuple(inputs),
+            allow_unreachable=True,
+            accumulate_grad=True,
+        )
 
 
 def _local_pass(

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from rrpc.messages import WorkerInfo
+from rrpc.messages import What, WorkerInfo
 
 
 @dataclass(slots=True)
@@ -45,7 +45,7 @@ class Call:
     request_id: int
     future: Any  # a futures.Future or futures.SyncReply
     peer: WorkerInfo
-    what: str  # e.g. "call of torch.add", for error messages
+    what: What  # e.g. "call of torch.add", for error messages
     deadline: float  # time.monotonic() seconds; math.inf: none
     started: float
     stream: Any  # the connection it went out on (identity only)
@@ -68,7 +68,7 @@ class CallTable:
         request_id: int,
         future: Any,
         peer: WorkerInfo,
-        what: str,
+        what: What,
         timeout: float,
         now: float,
         stream: Any = None,

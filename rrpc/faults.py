@@ -83,6 +83,7 @@ from rrpc.messages import (
     RREF_FETCH,
     RREF_FORK,
     RpcError,
+    What,
     WorkerInfo,
     thread_state,
 )
@@ -183,7 +184,7 @@ def _is_builtin(func: Any) -> bool:
     return builtin or isinstance(func, torch.jit.ScriptFunction)
 
 
-def torch_name(kind: int, obj: Any, what: str, requires_grad: bool) -> str | None:
+def torch_name(kind: int, obj: Any, what: What, requires_grad: bool) -> str | None:
     """The name torch gives this request (one of ``MESSAGE_TYPES``), or None
     when torch's faulty agent could not target it. ``what`` is the agent's
     description of the call; ``requires_grad``: it carries tensors that
@@ -196,7 +197,7 @@ def torch_name(kind: int, obj: Any, what: str, requires_grad: bool) -> str | Non
         func, remote = obj[2], True
     elif kind == CALL:
         # remote() to this worker itself runs as a CALL (rref.remote), described as such.
-        func, remote = obj[0], what.startswith("remote()")
+        func, remote = obj[0], str(what).startswith("remote()")
     else:
         return None
     if requires_grad and thread_state.autograd_context_id:
@@ -231,7 +232,7 @@ class Injector:
         peer: WorkerInfo,
         kind: int,
         obj: Any,
-        what: str,
+        what: What,
         out: wire.Outgoing,
         put: Callable[[list[Any]], None],
         calls: CallTable,

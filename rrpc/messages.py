@@ -173,6 +173,24 @@ def rebuild_remote_exception(
     return exc
 
 
+# -- What a call is, for its error messages ------------------------------------
+class Description(tuple):
+    """What a call is ("call of f", "forward() on the value of UserRRef(...)"),
+    put into words only if an error message needs them:
+    ``Description((words, *args))`` reads ``words(*args)`` as a string. A
+    call that succeeds (nearly all) pays for a tuple, not for the formatting
+    (an RRef's repr, a function's qualified name)."""
+
+    __slots__ = ()
+
+    def __str__(self) -> str:
+        return self[0](*self[1:])
+
+
+# What the agent's callers say a call is: words, or words to come.
+What = str | Description
+
+
 # -- Per-thread call state -----------------------------------------------------
 class _ThreadState(threading.local):
     # The distributed autograd context every RPC from this thread carries (0: none).

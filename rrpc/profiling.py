@@ -77,7 +77,7 @@ from rrpc.agent import Agent, Send
 from rrpc.dispatch import Deferred, Handler
 from rrpc.functions import callable_name
 from rrpc.futures import Future, on_done, settle
-from rrpc.messages import CALL, PROFILED, RREF_CREATE, RpcError, WorkerInfo
+from rrpc.messages import CALL, PROFILED, RREF_CREATE, RpcError, What, WorkerInfo
 
 log = logging.getLogger("rrpc")
 
@@ -176,7 +176,7 @@ class Profiling:
             kind: int,
             obj: Any,
             timeout: float,
-            what: str,
+            what: What,
             sync: bool = False,
             mode: str | None = None,
         ) -> Any:
@@ -193,7 +193,7 @@ class Profiling:
         kind: int,
         request: Any,
         timeout: float,
-        what: str,
+        what: What,
         mode: str,
     ) -> Future:
         """Send a user's call while this thread profiles. ``mode`` is torch's

@@ -41,7 +41,15 @@ from rrpc import agent as agent_module
 from rrpc import codec, restricted
 from rrpc.functions import callable_name
 from rrpc.futures import Future, copy_error, on_done, outcome, settle
-from rrpc.messages import CALL, RREF_CREATE, RREF_FETCH, RpcError, RpcTimeoutError, WorkerInfo
+from rrpc.messages import (
+    CALL,
+    RREF_CREATE,
+    RREF_FETCH,
+    Description,
+    RpcError,
+    RpcTimeoutError,
+    WorkerInfo,
+)
 from rrpc.options import UNSET_RPC_TIMEOUT
 from rrpc.rref_protocol import ForkId, RRefId, format_id
 from rrpc.rref_service import (
@@ -484,7 +492,7 @@ def _call_on_owner(
     until the reply (a blocking caller has it; a Future keeps it in a
     done-callback), so the owner cannot free the value meanwhile."""
     agent = rref._live_context().agent
-    what = f"{method or callable_name(func)}() on the value of {rref!r}"
+    what = Description((_call_on_value, method, func, rref))
     target = rref if rref._fork is None else rref._id
     payload: tuple = (func, (target, *args), {})
     timeout = agent.resolve_timeout(timeout)
@@ -493,6 +501,10 @@ def _call_on_owner(
     if not sync:
         on_done(reply, functools.partial(_hold_until_done, rref))
     return reply
+
+
+def _call_on_value(method: str, func: Callable, rref: RRef) -> str:
+    return f"{method or callable_name(func)}() on the value of {rref!r}"
 
 
 def _hold_until_done(rref: RRef, future: torch.futures.Future) -> None:

@@ -128,6 +128,9 @@ class Box:
     def fail(self):
         raise KeyError("no such key in the box")
 
+    def nap(self, seconds):
+        time.sleep(seconds)
+
     @staticmethod
     @rrpc.functions.async_execution
     def later(x):
@@ -435,6 +438,8 @@ def _errors():
         "method raises remote": _outcome(lambda: box.remote().fail().to_here()),
         "pickle outside rpc": _outcome(pickle.dumps, box)[0],
         "timed out": _outcome(rrpc.remote("worker1", time.sleep, args=(1.0,), timeout=0.2).to_here),
+        "proxy timed out": _outcome(lambda: box.rpc_sync(timeout=0.2).nap(1.0)),
+        "repr": repr(box),
     }
 
 
@@ -450,6 +455,10 @@ def test_errors_of_the_function_behind_remote_surface_with_their_own_type(
     assert got["pickle outside rpc"] == "RuntimeError"
     kind, message = got["timed out"]
     assert kind == "RpcTimeoutError" and "worker1" in message
+    # The error names the method and the RRef (words put together only when it is raised).
+    kind, message = got["proxy timed out"]
+    assert kind == "RpcTimeoutError"
+    assert message.startswith(f"nap() on the value of {got['repr']} on worker1 timed out after")
 
 
 def _discarded_picklings():
