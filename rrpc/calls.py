@@ -32,15 +32,14 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from rrpc.messages import What, WorkerInfo
 
 
-@dataclass(slots=True)
-class Call:
-    """One open call: what completes it and what its errors say."""
+class Call(NamedTuple):
+    """One open call: what completes it and what its errors say. A tuple,
+    built in C (``_new_call``): no Python frame per call."""
 
     request_id: int
     future: Any  # a futures.Future or futures.SyncReply
@@ -54,6 +53,9 @@ class Call:
     @property
     def timeout(self) -> float:
         return self.deadline - self.started
+
+
+_new_call = tuple.__new__
 
 
 class CallTable:
@@ -77,7 +79,9 @@ class CallTable:
         """Record a call sent at ``now``, ``timeout`` seconds to live (0: none).
         True if its deadline is now the earliest: the deadline watcher must wake."""
         deadline = now + timeout if timeout > 0 else math.inf
-        self._calls[request_id] = Call(request_id, future, peer, what, deadline, now, stream, row)
+        self._calls[request_id] = _new_call(
+            Call, (request_id, future, peer, what, deadline, now, stream, row)
+        )
         if deadline < self._earliest:
             self._earliest = deadline
             return True

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import math
 import types
+from bisect import bisect_right
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -58,16 +59,6 @@ MAX_FUNCTIONS = 1000
 OTHER_FUNCTIONS = "(other functions)"
 
 
-def bucket_of(seconds: float) -> int:
-    """The histogram bucket of a latency."""
-    micros = seconds * 1e6
-    if micros < 1.0:
-        return 0
-    mantissa, exponent = math.frexp(micros)  # micros = mantissa * 2**exponent, 0.5 <= mantissa < 1
-    index = 1 + (exponent - 1) * SUB + int((2.0 * mantissa - 1.0) * SUB)
-    return index if index < BUCKETS else BUCKETS - 1
-
-
 def bucket_bounds(index: int) -> tuple[float, float]:
     """The latencies in microseconds, [low, high), that bucket ``index`` holds."""
     if index == 0:
@@ -77,6 +68,16 @@ def bucket_bounds(index: int) -> tuple[float, float]:
     doubling, step = divmod(index - 1, SUB)
     base = 2.0**doubling
     return base * (1 + step / SUB), base * (1 + (step + 1) / SUB)
+
+
+# The lowest latency of each bucket but the first, in microseconds: a
+# latency's bucket is how many of them it reaches (one C call per reply).
+_LOWS = [bucket_bounds(index)[0] for index in range(1, BUCKETS)]
+
+
+def bucket_of(seconds: float) -> int:
+    """The histogram bucket of a latency."""
+    return bisect_right(_LOWS, seconds * 1e6)
 
 
 class Row:

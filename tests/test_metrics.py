@@ -40,6 +40,16 @@ def test_bucket_bounds_hold_the_latencies_they_are_given():
         assert low <= micros < high
 
 
+def test_every_bucket_holds_its_own_bounds_and_nothing_past_them():
+    assert metrics.bucket_of(0.0) == 0
+    for index in range(1, metrics.BUCKETS):
+        low, high = metrics.bucket_bounds(index)
+        assert metrics.bucket_of(low / 1e6) == index
+        assert metrics.bucket_of(low * (1 - 1e-9) / 1e6) == index - 1
+        if high != math.inf:
+            assert metrics.bucket_of((low + high) / 2e6) == index
+
+
 def test_percentiles_are_within_half_a_bucket_of_the_exact_sample():
     generator = random.Random(7)
     samples = [generator.lognormvariate(math.log(300e-6), 1.0) for _ in range(5000)]
