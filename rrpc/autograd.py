@@ -377,16 +377,9 @@ def _run_backward(
     gradient's shape against its output's): about 300 bytecodes a pass."""
     if _engine_run_backward is None:
         torch.autograd.backward(outputs, grads, retain_graph=True, inputs=inputs)
-    else:
-        _engine_run_backward(
-            tuple(outputs),
-            tuple(grads),
-            True,  # retain_graph
-            False,  # create_graph
-            tuple(inputs),
-            allow_unreachable=True,
-            accumulate_grad=True,
-        )
+    else:  # retain_graph, not create_graph
+        args = (tuple(outputs), tuple(grads), True, False, tuple(inputs))
+        _engine_run_backward(*args, allow_unreachable=True, accumulate_grad=True)
 
 
 def _local_pass(

@@ -38,18 +38,10 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from rrpc import agent as agent_module
-from rrpc import codec, restricted
+from rrpc import codec, messages, restricted
 from rrpc.functions import callable_name
 from rrpc.futures import Future, copy_error, on_done, outcome, settle
-from rrpc.messages import (
-    CALL,
-    RREF_CREATE,
-    RREF_FETCH,
-    Description,
-    RpcError,
-    RpcTimeoutError,
-    WorkerInfo,
-)
+from rrpc.messages import CALL, RREF_CREATE, RREF_FETCH, RpcError, RpcTimeoutError, WorkerInfo
 from rrpc.options import UNSET_RPC_TIMEOUT
 from rrpc.rref_protocol import ForkId, RRefId, format_id
 from rrpc.rref_service import (
@@ -297,7 +289,7 @@ class RRef(Generic[T]):
         error = self._creation_timeout()
         ctx = self._ctx
         if ctx is not None:  # always: remote() made it (its call fails when the run stops)
-            ctx.agent.scheduler.call_at(deadline, _fail_once, future, error)
+            ctx.agent.scheduler.call_at(deadline, _settle_once, future, error)
         on_done(
             creation,
             functools.partial(_creation_outcome, future, self._confirmed_at, deadline, error),
@@ -395,12 +387,12 @@ def _note_time(when: list[float], _: Any) -> None:
     when[0] = time.monotonic()
 
 
-def _fail_once(future: torch.futures.Future, error: BaseException) -> None:
+def _settle_once(future: torch.futures.Future, error: BaseException | None) -> None:
     if not future.done():
         try:
             settle(future, error=error)
         except RuntimeError:
-            pass  # completed meanwhile
+            pass  # completed meanwhile (the timer, or the answer)
 
 
 def _creation_outcome(
@@ -415,13 +407,7 @@ def _creation_outcome(
     error = outcome(creation)[1]
     if error is None and confirmed_at[0] > deadline:
         error = timeout_error
-    if error is not None:
-        _fail_once(future, error)
-    elif not future.done():
-        try:
-            settle(future, None)
-        except RuntimeError:
-            pass  # the timer failed it meanwhile
+    _settle_once(future, error)
 
 
 def _unique_id(unique_id: tuple[int, int]) -> str:
@@ -492,7 +478,7 @@ def _call_on_owner(
     until the reply (a blocking caller has it; a Future keeps it in a
     done-callback), so the owner cannot free the value meanwhile."""
     agent = rref._live_context().agent
-    what = Description((_call_on_value, method, func, rref))
+    what = messages.Description((_call_on_value, method, func, rref))
     target = rref if rref._fork is None else rref._id
     payload: tuple = (func, (target, *args), {})
     timeout = agent.resolve_timeout(timeout)
