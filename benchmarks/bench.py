@@ -608,14 +608,14 @@ WORKLOADS = [
     Workload(
         "dist_autograd",
         dist_autograd,
-        150,
+        500,
         50,
         (Row("steps_per_s", "Linear(512,512) step", "steps/s", True),),
     ),
     Workload(
         "param_server",
         param_server,
-        40,
+        200,
         15,
         (Row("updates_per_s", "2 trainers, 4 MiB", "updates/s", True),),
         roles=("trainer0", "trainer1", "server"),
