@@ -240,7 +240,7 @@ class RRef(Generic[T]):
             assert self._future is not None
             return wait_result(self._future, timeout, f"to_here() of {self!r}")
         self._check_created()
-        what = f"to_here() of {self!r}"
+        what = messages.Description((str.format, "to_here() of {!r}", self))
         fetch = ctx.agent.send(self._owner, RREF_FETCH, (self._id,), timeout, what, True)
         # The fetch alone would wait for the value: raise remote()'s timeout
         # if the owner has not confirmed the RRef by remote()'s deadline.
@@ -478,7 +478,7 @@ def _call_on_owner(
     until the reply (a blocking caller has it; a Future keeps it in a
     done-callback), so the owner cannot free the value meanwhile."""
     agent = rref._live_context().agent
-    what = messages.Description((_call_on_value, method, func, rref))
+    what = messages.Description((_words, "{}() on the value of {!r}", method or func, rref))
     target = rref if rref._fork is None else rref._id
     payload: tuple = (func, (target, *args), {})
     timeout = agent.resolve_timeout(timeout)
@@ -489,8 +489,9 @@ def _call_on_owner(
     return reply
 
 
-def _call_on_value(method: str, func: Callable, rref: RRef) -> str:
-    return f"{method or callable_name(func)}() on the value of {rref!r}"
+def _words(template: str, func: Callable | str, *args: Any) -> str:
+    """A ``Description``'s words: ``template`` with the name of ``func`` first."""
+    return template.format(func if isinstance(func, str) else callable_name(func), *args)
 
 
 def _hold_until_done(rref: RRef, future: torch.futures.Future) -> None:
@@ -532,7 +533,7 @@ def remote(
     peer = agent.worker_info(to)
     timeout = agent.resolve_timeout(timeout)
     payload_args, payload_kwargs = tuple(args or ()), dict(kwargs or {})
-    what = f"remote() of {callable_name(func)}"
+    what = messages.Description((_words, "remote() of {}", func))
     if peer.id == ctx.rank:
         # Run it through the agent like any call (arguments are copied, the
         # function runs on the worker pool); the result goes into the owner RRef.

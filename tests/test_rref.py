@@ -439,6 +439,9 @@ def _errors():
         "pickle outside rpc": _outcome(pickle.dumps, box)[0],
         "timed out": _outcome(rrpc.remote("worker1", time.sleep, args=(1.0,), timeout=0.2).to_here),
         "proxy timed out": _outcome(lambda: box.rpc_sync(timeout=0.2).nap(1.0)),
+        "fetch timed out": _outcome(
+            rrpc.remote("worker1", time.sleep, args=(1.0,), timeout=0).to_here, 0.2
+        ),
         "repr": repr(box),
     }
 
@@ -459,6 +462,9 @@ def test_errors_of_the_function_behind_remote_surface_with_their_own_type(
     kind, message = got["proxy timed out"]
     assert kind == "RpcTimeoutError"
     assert message.startswith(f"nap() on the value of {got['repr']} on worker1 timed out after")
+    kind, message = got["fetch timed out"]
+    assert kind == "RpcTimeoutError"
+    assert message.startswith("to_here() of UserRRef(rref_id=") and "timed out after 0.2 s" in message
 
 
 def _discarded_picklings():
