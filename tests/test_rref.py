@@ -464,7 +464,8 @@ def test_errors_of_the_function_behind_remote_surface_with_their_own_type(
     assert message.startswith(f"nap() on the value of {got['repr']} on worker1 timed out after")
     kind, message = got["fetch timed out"]
     assert kind == "RpcTimeoutError"
-    assert message.startswith("to_here() of UserRRef(rref_id=") and "timed out after 0.2 s" in message
+    assert message.startswith("to_here() of UserRRef(rref_id=")
+    assert "timed out after 0.2 s" in message
 
 
 def _discarded_picklings():
