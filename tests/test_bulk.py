@@ -98,6 +98,66 @@ def test_large_buffers_cross_the_socket_exactly_and_the_frame_keeps_its_payload(
         ends.close()
 
 
+def test_a_buffer_past_recycle_min_reuses_the_memory_of_one_freed_before():
+    ends = _Ends()
+    size = bulk.RECYCLE_MIN + 8
+    try:
+        first, second = _random(size, 3), _random(size, 4)
+        ends.a.send(_frame(first), ends.stream.append)
+        (got,) = ends.b.claim(_envelope(ends.stream[0][0]).bulk, [size])
+        address = got.ctypes.data
+        kept = torch.from_numpy(got[8:].view(np.float32))  # a view keeps the memory
+        del got
+        ends.a.send(_frame(second, request_id=2), ends.stream.append)
+        (again,) = ends.b.claim(_envelope(ends.stream[1][0]).bulk, [size])
+        again_address = again.ctypes.data
+        assert again_address != address  # the first one's is still in use
+        assert np.array_equal(again, second)
+        assert np.array_equal(kept.numpy().view(np.uint8), first[8:])  # and untouched
+        del kept, again
+        ends.a.send(_frame(first, request_id=3), ends.stream.append)
+        (third,) = ends.b.claim(_envelope(ends.stream[2][0]).bulk, [size])
+        assert np.array_equal(third, first)
+        assert third.ctypes.data in (address, again_address)  # freed memory, not new
+    finally:
+        ends.close()
+
+
+def test_recycled_memory_comes_back_only_once_every_view_of_it_is_gone():
+    recycled = bulk.Recycled(limit=8 * MiB)
+    buffer = recycled.take(MiB)
+    address = buffer.ctypes.data
+    tensor = torch.from_numpy(buffer[16:].view(np.int32).reshape(4, -1))
+    del buffer
+    assert recycled.kept() == 0
+    other = recycled.take(MiB)
+    assert other.ctypes.data != address
+    del tensor
+    assert recycled.kept() == MiB
+    assert recycled.take(MiB).ctypes.data == address
+    del other
+
+
+def test_recycled_keeps_at_most_its_limit_dropping_the_oldest():
+    recycled = bulk.Recycled(limit=3 * MiB)
+    one, two, big, huge = (
+        recycled.take(MiB),
+        recycled.take(MiB),
+        recycled.take(2 * MiB),
+        recycled.take(4 * MiB),
+    )
+    big_address = big.ctypes.data
+    del one, two  # 2 MiB kept
+    assert recycled.kept() == 2 * MiB
+    del big  # 4 MiB would be kept: the oldest 1 MiB one goes
+    assert recycled.kept() == 3 * MiB
+    del huge  # past the limit alone: not kept
+    assert recycled.kept() == 3 * MiB
+    again = recycled.take(2 * MiB)
+    assert again.ctypes.data == big_address
+    assert recycled.kept() == MiB
+
+
 def test_transfers_waiting_to_go_count_in_the_streams_reply_backlog():
     """A callee's replies waiting unsent are bounded (streams.REPLY_BACKLOG),
     their bulk bytes too: the stream's outbox counts them until written."""
