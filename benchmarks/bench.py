@@ -805,12 +805,17 @@ def worker_main(
     results: Any,
     host: netns.Host | None = None,
     master_addr: str = "127.0.0.1",
+    others_reported: Any = None,
 ) -> None:
     """One process of one run: join the group, drive the workload if this rank drives, report.
 
     With `host`, this process is that "host": it moves into its network namespace
     before anything opens a socket (importing torch, done by now, opens none),
-    and both frameworks are held to TCP on its veth address.
+    and both frameworks are held to TCP on its veth address. Rank 0 hosts the
+    rendezvous store: it exits only once every other rank has reported
+    (`others_reported`), after its own shutdown. TensorPipe's shutdown ends on
+    the store, and a store gone first failed 1 in ~6 of torch's 3-process
+    runs with "Connection reset by peer" (rrpc's shutdown does not use it).
     """
     global FW
     report: dict = {"rank": rank, "metrics": None, "error": None}
@@ -846,11 +851,13 @@ def worker_main(
     except Exception as e:
         report["error"] = report["error"] or _short_error(e)
     report["peak_rss_bytes"] = whole_process_peak_rss()
-    _exit_with(report, results)
+    _exit_with(report, results, others_reported if rank == 0 else None)
 
 
-def _exit_with(report: dict, results: Any) -> None:
+def _exit_with(report: dict, results: Any, wait_for: Any = None) -> None:
     results.put(report)
+    if wait_for is not None:
+        wait_for.wait(RUN_TIMEOUT_S)
     # Skip the interpreter's teardown (torch's and gRPC's finalizers): it is not what
     # is measured, and it added seconds to every run. The report is flushed first.
     results.close()
@@ -997,6 +1004,7 @@ def run_once(
             return run_floor(workload, bare, n, pair)
     spawn = multiprocessing.get_context("spawn")
     results = spawn.Queue()
+    others_reported = spawn.Event()  # rank 0 (the store's host) waits for it to exit
     hosts: list[netns.Host | None] = [None] * len(workload.roles)
     master_addr = "127.0.0.1"
     if workload.veth:
@@ -1010,7 +1018,17 @@ def run_once(
     procs = [
         spawn.Process(
             target=worker_main,
-            args=(framework, workload, n, rank, port, results, hosts[rank], master_addr),
+            args=(
+                framework,
+                workload,
+                n,
+                rank,
+                port,
+                results,
+                hosts[rank],
+                master_addr,
+                others_reported,
+            ),
             daemon=True,
         )
         for rank in range(len(workload.roles))
@@ -1018,7 +1036,7 @@ def run_once(
     try:
         for p in procs:
             p.start()
-        per_rank = collect_reports(procs, results)
+        per_rank = collect_reports(procs, results, others_reported)
     finally:
         for p in procs:
             p.join(timeout=10)
@@ -1059,13 +1077,16 @@ def check_link(
     return {**metrics, "link_bytes_per_call": (rx + tx) / calls}
 
 
-def collect_reports(procs: list, results: Any) -> list[dict] | str:
-    """Every rank's report, by rank; or why not: a rank that died, or the time limit."""
+def collect_reports(procs: list, results: Any, others_reported: Any) -> list[dict] | str:
+    """Every rank's report, by rank; or why not: a rank that died, or the time
+    limit. Sets `others_reported` once every rank but 0 has reported."""
     deadline = time.monotonic() + RUN_TIMEOUT_S
     reports: list[dict] = []
     while len(reports) < len(procs):
         try:
             reports.append(results.get(timeout=0.5))
+            if sum(r["rank"] != 0 for r in reports) == len(procs) - 1:
+                others_reported.set()
             continue
         except queue.Empty:
             pass
