@@ -399,6 +399,30 @@ def test_large_tensors_echo_exactly_over_the_bulk_socket():
     assert "rrpc-bulk-recv-worker1" in threads and "rrpc-bulk-send-worker1" in threads
 
 
+def _recycled_echoes(rank, world_size):
+    if rank != 0:
+        return None
+    elements = (bulk.RECYCLE_MIN + 4 * MiB) // 4  # float32: received into recycled memory
+
+    def tensor(seed):
+        return torch.randn(elements, generator=torch.Generator().manual_seed(seed))
+
+    # Results kept while more arrive: none may be received over another.
+    kept = [(seed, rrpc.rpc_sync("worker1", _echo, args=(tensor(seed),))) for seed in range(3)]
+    intact = [torch.equal(result, tensor(seed)) for seed, result in kept]
+    del kept  # their memory comes back, and the next replies are received into it
+    again = [
+        torch.equal(rrpc.rpc_sync("worker1", _echo, args=(tensor(s),)), tensor(s)) for s in (3, 4)
+    ]
+    return intact, again, bulk.recycled.kept() > 0
+
+
+def test_large_results_kept_or_dropped_over_the_bulk_socket_stay_exact():
+    intact, again, recycling = run_workers(_recycled_echoes, env=GRPC_ONLY)[0]
+    assert intact == [True, True, True] and again == [True, True]
+    assert recycling  # the dropped results' memory was kept for the next ones
+
+
 @pytest.mark.parametrize("how", ["env", "option", "tensorpipe_channels"])
 def test_a_bulk_socket_switched_off_is_never_dialed(how):
     env, options = dict(GRPC_ONLY), None
