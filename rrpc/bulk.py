@@ -310,6 +310,7 @@ class Channel:
                 buffers = [_receive_buffer(size) for size in sizes]
                 for buffer in buffers:
                     self._fill(sock, memoryview(buffer))  # type: ignore[arg-type]
+                buffer = None  # type: ignore[assignment]  # else it holds the last one until the next transfer
                 with self._lock:
                     self._arrived[transfer] = buffers
                     self._held += total

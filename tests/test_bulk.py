@@ -115,10 +115,13 @@ def test_a_buffer_past_recycle_min_reuses_the_memory_of_one_freed_before():
         assert np.array_equal(again, second)
         assert np.array_equal(kept.numpy().view(np.uint8), first[8:])  # and untouched
         del kept, again
+        freed = bulk.recycled.kept()
+        assert freed >= 2 * size  # both came back
         ends.a.send(_frame(first, request_id=3), ends.stream.append)
         (third,) = ends.b.claim(_envelope(ends.stream[2][0]).bulk, [size])
         assert np.array_equal(third, first)
         assert third.ctypes.data in (address, again_address)  # freed memory, not new
+        assert bulk.recycled.kept() == freed - size  # taken from the kept ones
     finally:
         ends.close()
 
