@@ -20,7 +20,7 @@ from rrpc import agent as agent_module
 from rrpc import membership, worker
 from rrpc.agent import Agent, current_agent
 from rrpc.faults import FaultyRpcBackendOptions
-from rrpc.functions import callable_name
+from rrpc.functions import naming
 from rrpc.messages import CALL, Description, RpcError, WorkerInfo
 from rrpc.options import UNSET_RPC_TIMEOUT, RpcBackendOptions
 from rrpc.rendezvous import Rendezvous, advertise_host, resolve_world
@@ -299,16 +299,12 @@ def rpc_sync(
     return _send_call(to, func, args, kwargs, timeout, sync=True).wait()
 
 
-def _call_of(func: Callable) -> str:
-    return f"call of {callable_name(func)}"
-
-
 def _send_call(to, func, args, kwargs, timeout: float, sync: bool):
     agent = current_agent()
     if not callable(func):
         raise TypeError(f"func must be callable, not {type(func).__name__}")
     peer = agent.worker_info(to)
-    what = Description((_call_of, func))
+    what = Description((naming, "call of {}", func))
     payload = (func, args or (), kwargs or {})
     timeout = agent.resolve_timeout(timeout)
     # "sync"/"async": torch's name for the call, in its profiler's events.

@@ -77,6 +77,12 @@ def callable_name(func: Any) -> str:
     return getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
 
 
+def naming(template: str, func: Any, *args: Any) -> str:
+    """``template`` with ``func``'s name first (``func`` itself if a string):
+    the words of a call's ``messages.Description``."""
+    return template.format(func if isinstance(func, str) else callable_name(func), *args)
+
+
 def async_result_error(func: Any, result: Any) -> RuntimeError | None:
     """The error for an ``async_execution`` function that did not return a
     Future (``.then()`` returns a plain ``torch._C.Future``, which counts)."""

@@ -39,7 +39,7 @@ import torch
 
 from rrpc import agent as agent_module
 from rrpc import codec, messages, restricted
-from rrpc.functions import callable_name
+from rrpc.functions import naming
 from rrpc.futures import Future, copy_error, on_done, outcome, settle
 from rrpc.messages import CALL, RREF_CREATE, RREF_FETCH, RpcError, RpcTimeoutError, WorkerInfo
 from rrpc.options import UNSET_RPC_TIMEOUT
@@ -478,7 +478,7 @@ def _call_on_owner(
     until the reply (a blocking caller has it; a Future keeps it in a
     done-callback), so the owner cannot free the value meanwhile."""
     agent = rref._live_context().agent
-    what = messages.Description((_words, "{}() on the value of {!r}", method or func, rref))
+    what = messages.Description((naming, "{}() on the value of {!r}", method or func, rref))
     target = rref if rref._fork is None else rref._id
     payload: tuple = (func, (target, *args), {})
     timeout = agent.resolve_timeout(timeout)
@@ -487,11 +487,6 @@ def _call_on_owner(
     if not sync:
         on_done(reply, functools.partial(_hold_until_done, rref))
     return reply
-
-
-def _words(template: str, func: Callable | str, *args: Any) -> str:
-    """A ``Description``'s words: ``template`` with the name of ``func`` first."""
-    return template.format(func if isinstance(func, str) else callable_name(func), *args)
 
 
 def _hold_until_done(rref: RRef, future: torch.futures.Future) -> None:
@@ -533,7 +528,7 @@ def remote(
     peer = agent.worker_info(to)
     timeout = agent.resolve_timeout(timeout)
     payload_args, payload_kwargs = tuple(args or ()), dict(kwargs or {})
-    what = messages.Description((_words, "remote() of {}", func))
+    what = messages.Description((naming, "remote() of {}", func))
     if peer.id == ctx.rank:
         # Run it through the agent like any call (arguments are copied, the
         # function runs on the worker pool); the result goes into the owner RRef.
