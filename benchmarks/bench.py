@@ -1077,7 +1077,7 @@ def check_link(
     return {**metrics, "link_bytes_per_call": (rx + tx) / calls}
 
 
-def collect_reports(procs: list, results: Any, others_reported: Any) -> list[dict] | str:
+def collect_reports(procs: list, results: Any, others_reported: Any = None) -> list[dict] | str:
     """Every rank's report, by rank; or why not: a rank that died, or the time
     limit. Sets `others_reported` once every rank but 0 has reported."""
     deadline = time.monotonic() + RUN_TIMEOUT_S
@@ -1085,7 +1085,10 @@ def collect_reports(procs: list, results: Any, others_reported: Any) -> list[dic
     while len(reports) < len(procs):
         try:
             reports.append(results.get(timeout=0.5))
-            if sum(r["rank"] != 0 for r in reports) == len(procs) - 1:
+            if (
+                others_reported is not None
+                and sum(r["rank"] != 0 for r in reports) == len(procs) - 1
+            ):
                 others_reported.set()
             continue
         except queue.Empty:
