@@ -237,7 +237,7 @@ class Agent:
             token = auth.Token(options.auth_token) if options.auth_token else None
             serve, admission = self.dispatcher.on_request, self.server.admission.of
             self.lane_listener = lane_listener.Listener(
-                rank, serve, token, self.frame_reader, admission, unread_replies
+                rank, serve, token, self.frame_reader, admission, unread_replies, options.lane_spin
             )
         # The carriers of our calls: lanes and gRPC streams, by peer (routes.py).
         self.routes = routes.Routes(self, channel_credentials)

@@ -104,6 +104,7 @@ class Lane:
         on_close: Callable[[Lane, BaseException | None], None],
         reader: wire.FrameReader,
         peer_timeout: float = 8.0,
+        spin: float = 0.0,
     ):
         self.stream = streams.StreamState(streams.OPEN)
         # Liveness: a peer that sent nothing for half of ``peer_timeout`` while
@@ -112,7 +113,7 @@ class Lane:
         self._quiet_limit = peer_timeout / 2
         self._heard = time.monotonic()
         self._sock = sock
-        self._bytes = Reader(sock)
+        self._bytes = Reader(sock, spin)
         self.peer_name = peer_name
         self._on_frame = on_frame
         self._on_close = on_close

@@ -53,8 +53,10 @@ class Listener:
         reader: Callable[[int], wire.FrameReader],
         admission: Callable[[int], streams.InFlight],
         unread_replies: streams.UnreadReplies | None = None,
+        spin: float = 0.0,
     ):
         self.rank = rank
+        self._spin = spin  # lane_io.Reader's, for each caller's socket
         self._on_request = on_request
         self._token = token
         self._new_reader = reader
@@ -115,7 +117,7 @@ class Listener:
             self._on_request(frame, caller_rank, respond, inline)
 
         readers = turns.TakeTurns(
-            _packets(sock, writer),
+            _packets(sock, writer, self._spin),
             self._new_reader(caller_rank),
             on_frame,
             admit=streams.admit_with(
@@ -160,9 +162,9 @@ class Listener:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
-def _packets(sock: socket.socket, writer: Writer) -> Iterator[bytes]:
+def _packets(sock: socket.socket, writer: Writer, spin: float) -> Iterator[bytes]:
     """The bytes a caller sends, until it closes its end (then StopIteration)."""
-    reader = Reader(sock)
+    reader = Reader(sock, spin)
     while True:
         try:
             data = reader.recv()

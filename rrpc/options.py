@@ -59,6 +59,10 @@ class RpcBackendOptions:
             pid and network namespace, and user) over a Unix socket on which the
             calling thread does its own I/O, instead of gRPC (env ``RRPC_LANE``;
             see ``rrpc/lane.py``). gRPC stays the control plane and the fallback.
+        lane_spin: seconds a lane's reader keeps looking for bytes before it
+            sleeps, while its recent waits were that short (env ``RRPC_LANE_SPIN``;
+            0: always sleep at once). A reply or request caught this way costs no
+            wake-up (see ``rrpc/lane_io.py``), at the price of that much CPU.
         bulk_channel: carry the large tensor buffers of a gRPC stream (1 MiB or
             more in one message) on a TCP socket beside it, sent from and received
             into the tensors' memory (env ``RRPC_BULK``; see ``rrpc/bulk.py``).
@@ -98,6 +102,7 @@ class RpcBackendOptions:
     batch_min_open: int = 16
     run_inline: bool = field(default_factory=lambda: _env_flag("RRPC_INLINE", True))
     same_host_lane: bool = field(default_factory=lambda: _env_flag("RRPC_LANE", True))
+    lane_spin: float = field(default_factory=lambda: _env_float("RRPC_LANE_SPIN", 200e-6))
     bulk_channel: bool = field(default_factory=lambda: _env_flag("RRPC_BULK", True))
     peer_timeout: float = field(default_factory=lambda: _env_float("RRPC_PEER_TIMEOUT", 8.0))
     rref_delete_delay: float = field(default_factory=lambda: _env_float("RRPC_DELETE_DELAY", 5e-3))
@@ -133,6 +138,7 @@ class RpcBackendOptions:
             "batch_delay",
             "rref_delete_delay",
             "peer_timeout",
+            "lane_spin",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -146,6 +152,8 @@ class RpcBackendOptions:
             raise ValueError(f"rpc_timeout must be >= 0 (0: none), got {self.rpc_timeout}")
         if not 0 <= self.batch_delay <= 0.1:
             raise ValueError(f"batch_delay must be in [0, 0.1] seconds, got {self.batch_delay}")
+        if not 0 <= self.lane_spin <= 0.01:
+            raise ValueError(f"lane_spin must be in [0, 0.01] seconds, got {self.lane_spin}")
         if not 0 <= self.rref_delete_delay <= 1.0:
             raise ValueError(
                 f"rref_delete_delay must be in [0, 1] seconds, got {self.rref_delete_delay}"

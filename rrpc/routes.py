@@ -130,6 +130,7 @@ class Routes:
             on_close=functools.partial(self._agent.on_carrier_closed, peer),
             reader=self._agent.frame_reader(peer.id),
             peer_timeout=self._options.peer_timeout,
+            spin=self._options.lane_spin,
         )
 
     def closed(self, peer: WorkerInfo, carrier: Carrier, error: BaseException | None) -> None:

@@ -290,3 +290,92 @@ def test_writer_that_lost_its_peer_raises_lane_broken_on_the_next_write():
         writer.write([b"x" * 10])
         writer.write([b"y" * 10])
     ours.close()
+
+
+# -- Spinning before sleeping (lane_io.Reader's ``spin``) ----------------------------
+class _CountingPoller:
+    """A poll object that counts the looks that do not sleep (timeout 0) and the waits that may."""
+
+    def __init__(self, poller):
+        self._poller = poller
+        self.looks = 0
+        self.sleeps = 0
+
+    def poll(self, timeout=-1):
+        if timeout == 0:
+            self.looks += 1
+        else:
+            self.sleeps += 1
+        return self._poller.poll(timeout)
+
+
+def _spinning_reader(spin):
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    ours.setblocking(False)
+    reader = lane_io.Reader(ours, spin=spin)
+    counting = reader._poller = _CountingPoller(reader._poller)
+    return reader, counting, ours, theirs
+
+
+def test_a_reader_catches_bytes_that_come_while_it_spins_without_sleeping():
+    reader, counting, ours, theirs = _spinning_reader(spin=5.0)  # far longer than the write takes
+    writer = threading.Thread(target=theirs.sendall, args=(b"reply",))
+    writer.start()
+    assert reader.recv(timeout_ms=10_000, wait_first=True) == b"reply"
+    writer.join()
+    assert counting.looks > 0 and counting.sleeps == 0
+    ours.close()
+    theirs.close()
+
+
+def test_a_reader_stops_spinning_after_long_waits_and_spins_again_after_short_ones():
+    reader, counting, ours, theirs = _spinning_reader(spin=0.002)
+    # Nothing comes: the first wait spins (no waits seen yet), then sleeps out the timeout.
+    assert reader.recv(timeout_ms=50, wait_first=True) is None
+    assert counting.looks > 0 and counting.sleeps > 0
+    # Waits that long turn spinning off: the next one sleeps at once.
+    counting.looks = 0
+    assert reader.recv(timeout_ms=50, wait_first=True) is None
+    assert counting.looks == 0
+    # Short waits (the bytes are there when it looks) turn it back on.
+    for i in range(8):
+        theirs.sendall(b"%d" % i)
+        assert reader.recv(timeout_ms=1000, wait_first=True) == b"%d" % i
+    counting.looks = 0
+    assert reader.recv(timeout_ms=50, wait_first=True) is None
+    assert counting.looks > 0
+    ours.close()
+    theirs.close()
+
+
+def test_a_reader_that_stopped_spinning_still_spins_one_wait_in_probe_every():
+    reader, counting, ours, theirs = _spinning_reader(spin=0.001)
+    reader._hits = 0.0  # long waits lately: spinning is off
+    spun = []
+    for _ in range(2 * lane_io.Reader.PROBE_EVERY):  # nothing comes: each wait times out
+        counting.looks = 0
+        reader._wait(5)
+        spun.append(counting.looks > 0)
+    assert sum(spun) == 2, spun
+    ours.close()
+    theirs.close()
+
+
+def test_a_reader_without_spin_never_looks_without_sleeping():
+    reader, counting, ours, theirs = _spinning_reader(spin=0.0)
+    theirs.sendall(b"x")
+    assert reader.recv(timeout_ms=1000, wait_first=True) == b"x"
+    assert reader.recv(timeout_ms=20) is None
+    assert counting.looks == 0 and counting.sleeps > 0
+    ours.close()
+    theirs.close()
+
+
+def test_lane_spin_is_an_option_and_an_environment_variable(monkeypatch):
+    assert rrpc.RpcBackendOptions(lane_spin=0).lane_spin == 0
+    monkeypatch.setenv("RRPC_LANE_SPIN", "0.0002")
+    assert rrpc.RpcBackendOptions().lane_spin == 0.0002
+    with pytest.raises(ValueError, match="lane_spin"):
+        rrpc.RpcBackendOptions(lane_spin=1.0)
+    with pytest.raises(TypeError, match="lane_spin"):
+        rrpc.RpcBackendOptions(lane_spin="fast")
