@@ -386,18 +386,19 @@ class Agent:
         if self.calls.open(request_id, future, peer, what, timeout, now, connection, row):
             self._deadlines.watch(now + timeout)
         if route is not None:
-            route.expect()  # before any write: a delayed one must still be read
+            # Before any write: a delayed one must still be read.
+            route.expect(request_id, not sync and kind in READ_SOON_KINDS)
         if self.faults is None:
             connection.send(out.pieces)
         # Fault injection (rrpc/faults.py): fail it, delay it, or send it.
         elif self.faults.send(peer, kind, obj, what, out, connection.send, self.calls, request_id):
             if route is not None:
-                route.ended()  # dropped: no reply will come
+                route.ended(request_id)  # dropped: no reply will come
         if connection.stream.state is CLOSED:  # it broke between lookup and send: fail now
             self.on_carrier_closed(peer, connection, connection.stream.error)
         elif route is not None and not sync:
             if kind in READ_SOON_KINDS:  # nobody waits for it at once: no wake-up now
-                route.read_soon(self.scheduler.call_later)
+                route.read_soon()
             else:
                 route.need_reader()
         return future
@@ -497,7 +498,7 @@ class Agent:
 
     def _expire(self, call: Call) -> None:
         if isinstance(call.stream, lane.Lane):
-            call.stream.ended()
+            call.stream.ended(call.request_id)
         metrics.ended(call.row, timed_out=True)
         settle(
             call.future,

@@ -129,6 +129,7 @@ class Routes:
             on_frame=functools.partial(self._agent.on_reply, peer),
             on_close=functools.partial(self._agent.on_carrier_closed, peer),
             reader=self._agent.frame_reader(peer.id),
+            call_later=self._agent.scheduler.call_later,
             peer_timeout=self._options.peer_timeout,
             spin=self._options.lane_spin,
         )

@@ -21,9 +21,10 @@ import torch
 
 import rrpc
 from harness import mp_context, run_workers
-from rrpc import auth, lane, lane_io
+from rrpc import auth, codec, lane, lane_io, wire
 from rrpc.agent import current_agent
 from rrpc.futures import wait_until
+from rrpc.messages import REPLY
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import netns  # noqa: E402 -- benchmarks/netns.py
@@ -203,6 +204,67 @@ def test_a_reply_only_the_bookkeeping_awaits_wakes_no_reader_at_once_and_is_stil
     assert woken_by_remote == []  # no remote() woke the lane's reader as it sent
     assert woken_in_all == 1  # the user's rpc_async did: the check sees it
     assert confirmed is True and pending == 0
+
+
+class _LaneOverASocketPair:
+    """A caller's ``lane.Lane`` whose far end is the test: it writes the replies."""
+
+    def __init__(self):
+        ours, self.theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        ours.setblocking(False)
+        self.replied: list[int] = []
+        self.second_replied = threading.Event()
+        self.scheduled: list = []
+        self.lane = lane.Lane(
+            ours,
+            "peer",
+            on_frame=self._on_frame,
+            on_close=lambda *_: None,
+            reader=wire.FrameReader(),
+            call_later=lambda delay, fn, *args: self.scheduled.append(fn),
+        )
+        self.woken = 0
+        need_reader = self.lane.need_reader
+
+        def counted():
+            self.woken += 1
+            need_reader()
+
+        self.lane.need_reader = counted
+
+    def _on_frame(self, frame):
+        self.replied.append(frame.envelope.request_id)
+        if len(self.replied) == 2:
+            self.second_replied.set()
+        return True
+
+    def reply(self, request_id):
+        self.theirs.sendall(b"".join(codec.encode(REPLY, request_id, None).pieces))
+
+    def close(self):
+        self.lane.close()
+        self.lane.release()
+        self.theirs.close()
+
+
+@pytest.mark.parametrize("second", ["bookkeeping", "a caller's"])
+def test_a_leader_leaving_wakes_the_reader_at_once_only_for_a_reply_a_caller_awaits(second):
+    pair = _LaneOverASocketPair()
+    pair.lane.expect(1)  # the leader's own call
+    pair.lane.expect(2, bookkeeping=second == "bookkeeping")  # sent after it, not answered yet
+    pair.reply(1)
+    assert pair.lane.lead(lambda: 1 in pair.replied, float("inf"))
+    assert pair.replied == [1]
+    if second == "bookkeeping":
+        # Not now: its next call would find the reader holding the turn.
+        assert pair.woken == 0 and len(pair.scheduled) == 1
+        pair.scheduled.pop()()  # READ_SOON later, still unread: the reader thread reads it
+        assert pair.woken == 1
+    else:
+        assert pair.woken == 1 and pair.scheduled == []
+    pair.reply(2)
+    assert pair.second_replied.wait(30) and pair.replied == [1, 2]  # by the reader thread
+    pair.close()
 
 
 # -- Trust -----------------------------------------------------------------------------
