@@ -23,11 +23,17 @@ user: ``lane_key``) carry their calls over a lane:
   (``lead``): the sequential ``rpc_sync`` never wakes another thread. A
   caller that finds the turn taken waits for its reply like any other. When
   replies are awaited and nobody leads (``rpc_async``, or a leader that got
-  its reply while others are still open), the lane's own reader thread reads.
-  A reply that only rrpc's bookkeeping awaits (an RRef's creation, a delete:
-  ``Agent`` knows the kinds) does not wake it at once: the next caller that
-  leads reads it with its own (``remote()`` then ``to_here()`` wakes no other
-  thread), and the reader thread only if none has within ``READ_SOON``.
+  its reply while other callers' calls are still open), the lane's own
+  reader thread reads. A reply that only rrpc's bookkeeping awaits (an
+  RRef's creation, a delete, an autograd context's release: ``Agent`` knows
+  the kinds) does not wake it at once, as it is sent or as a leader leaves:
+  the next caller that leads reads it with its own (``remote()`` then
+  ``to_here()`` wakes no other thread), and the reader thread only if none
+  has within ``READ_SOON``.
+- **Neither end sleeps at once.** Whoever waits on the socket (a leader, the
+  reader thread, the callee's reader) looks for bytes without sleeping for up
+  to ``lane_spin`` first, while its recent waits were that short
+  (``lane_io.Reader``): a wake-up is what a round trip here would cost most.
 - **Callee.** Two threads take turns reading the lane (``turns.TakeTurns``,
   as on a gRPC stream): the one that read a lone request runs it itself,
   lending it the read role, and reads the next one when it is done (its
