@@ -385,9 +385,10 @@ class Agent:
         row = self.metrics.sent(peer.name, kind, obj, out.size, out.tensor_bytes)
         if self.calls.open(request_id, future, peer, what, timeout, now, connection, row):
             self._deadlines.watch(now + timeout)
+        # Nobody waits for its reply at once (rrpc's bookkeeping): on a lane, no wake-up now.
+        bookkeeping = not sync and kind in READ_SOON_KINDS
         if route is not None:
-            # Before any write: a delayed one must still be read.
-            route.expect(request_id, not sync and kind in READ_SOON_KINDS)
+            route.expect(request_id, bookkeeping)  # before any write: a late one is still read
         if self.faults is None:
             connection.send(out.pieces)
         # Fault injection (rrpc/faults.py): fail it, delay it, or send it.
@@ -397,7 +398,7 @@ class Agent:
         if connection.stream.state is CLOSED:  # it broke between lookup and send: fail now
             self.on_carrier_closed(peer, connection, connection.stream.error)
         elif route is not None and not sync:
-            if kind in READ_SOON_KINDS:  # nobody waits for it at once: no wake-up now
+            if bookkeeping:
                 route.read_soon()
             else:
                 route.need_reader()
