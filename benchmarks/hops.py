@@ -11,10 +11,11 @@ cut into calls, and each hop's median is printed. Stamps cost ~1 µs each.
 Hops, in order: the caller's ``send`` (encode, call table, queue the frame);
 gRPC's request-iterator thread waking to pack it; the request's way to the
 server (gRPC's send, the socket, gRPC's receive, a reader thread waking); the
-server's handling (decode, run, encode the reply, queue it); the server's
-stream thread waking to send the reply; the reply's way back; decoding and
-completing the call; the caller waking. The bare-grpcio floor (floor.py) has
-the same two ways and the same two wake-ups at the ends, and none of the rest.
+server's handling (decode, run, encode the reply) up to cutting its packet,
+which the same thread sends (over gRPC it waits there for gRPC to take it);
+the reply's way back; decoding and completing the call; the caller waking.
+The bare-grpcio floor (floor.py) has the same two ways and the same two
+wake-ups at the ends, and none of the rest.
 """
 
 from __future__ import annotations

@@ -7,10 +7,11 @@ and sends what an ``Outbox`` yields (or writes its own way); the rest is here.
 Theory of operation:
 
 - **Sending** (``Outbox``): each direction of a stream is a byte stream of
-  frames cut into packets (``wire.packets``). A sender thread takes
-  everything queued at the moment it wakes and sends it as one packet, so
-  small messages batch themselves under load and a large one flows in
-  bounded chunks under the carrier's flow control. When many exchanges are
+  frames cut into packets (``wire.packets``). Whoever sends (the carrier's
+  sender thread, or in a pushed outbox the thread that queued a frame while
+  no other was sending) takes everything queued at that moment and sends it
+  as one packet, so small messages batch themselves under load and a large
+  one flows in bounded chunks under the carrier's flow control. When many exchanges are
   open on the stream, the sender also lingers a fraction of a millisecond
   before cutting a packet: each gRPC message costs ~100 µs of Python per side
   here, so packets of 10-40 frames instead of 2-3 halve the CPU per call
@@ -68,6 +69,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from rrpc import wire
+from rrpc.messages import thread_state
 
 # Requests of one calling peer that this worker may hold read and not yet
 # decoded (queued for the worker pool). Another peer's request waits behind
@@ -279,6 +281,14 @@ class Outbox:
     """One direction of a stream: the frames waiting to go, and how many
     exchanges are open on it (requests without their reply yet).
 
+    A carrier takes the frames one of two ways. **Pulled**: its own sender
+    thread iterates ``packets()``. **Pushed** (``push``): the thread that
+    queues a frame sends it itself through the carrier's ``send``, with
+    every frame queued by others while it sends, and no thread is woken;
+    only a thread that serves another stream (``thread_state.transport``,
+    not this stream's reader) does not, lest a slow peer here stall a stream
+    there: it wakes the outbox's own sender thread instead.
+
     ``backlog`` (bytes put and not yet handed to the carrier) is kept only
     when ``track_backlog``: the callee's reply side, whose readers wait in
     ``wait_for_room`` while it is over ``REPLY_BACKLOG``.
@@ -316,6 +326,17 @@ class Outbox:
         self.received = 0
         self.backlog = 0
         self._room: threading.Condition | None = threading.Condition() if track_backlog else None
+        # Pushed (see ``push``): the carrier's two ends, and under _pushing
+        # whether a thread is sending, whether the sender thread is wanted,
+        # whether the end was sent.
+        self._send: Callable[[bytes], Any] | None = None
+        self._finish: Callable[[BaseException | None], Any] = lambda error: None
+        self._pushing = threading.Condition(threading.Lock())
+        self._sending = False
+        self._wanted = False
+        self._sender: threading.Thread | None = None
+        self._sender_name = "rrpc-send"
+        self._finished = False
 
     def open_exchanges(self) -> int:
         return abs(self._sent - self.received)
@@ -328,6 +349,8 @@ class Outbox:
             with self._room:
                 self.backlog += size
         self.queue.put(pieces)
+        if self._send is not None:
+            self._flush()
         if self.stream.state is HALF_CLOSED:
             self.end_if_answered()
 
@@ -338,16 +361,21 @@ class Outbox:
         stream = self.stream
         # move() lets one thread through, should several see the last answer.
         if stream.state is HALF_CLOSED and self.open_exchanges() == 0 and stream.move(END):
-            self.queue.put(_CLOSE)
+            self._queue_end(_CLOSE)
 
     def end(self, error: BaseException | None = None) -> None:
         """End this direction after what is queued; with ``error``, end it failed."""
-        if error is not None:
-            self.queue.put(error)
-        self.queue.put(_CLOSE)
+        self._queue_end(_CLOSE if error is None else error)
         if self._room is not None:
             with self._room:
                 self._room.notify_all()  # readers waiting for room look at the state again
+
+    def _queue_end(self, end: Any) -> None:
+        if end is not _CLOSE:
+            self.queue.put(end)
+        self.queue.put(_CLOSE)
+        if self._send is not None:
+            self._flush()
 
     def wait_for_room(self) -> bool:
         """Wait while more than ``REPLY_BACKLOG`` bytes wait to go; False if
@@ -378,24 +406,114 @@ class Outbox:
             if self.backlog <= REPLY_BACKLOG:
                 self._room.notify_all()
 
+    # -- pulled: the carrier's sender thread iterates the packets
     def packets(self) -> Iterator[bytes]:
         """Packets of the queued frames, until the stream ends."""
         while True:
-            batch: list[list[Any]] = []
-            end = self._drain(batch, block=True)
-            if end is None and self.batch_delay and self.open_exchanges() >= self.batch_min_open:
-                self.sleep(self.batch_delay)  # asleep, not waiting: puts wake nobody
-                end = self._drain(batch, block=False)
-            if batch and self._room is not None:
-                for packet in wire.packets(itertools.chain.from_iterable(batch), self.packet_size):
-                    yield packet
-                    self._sent_bytes(len(packet))  # the carrier took it (flow control let it go)
-            elif batch:
-                yield from wire.packets(itertools.chain.from_iterable(batch), self.packet_size)
+            batch, end = self._take(block=True)
+            yield from self._cut(batch)
             if isinstance(end, BaseException):
                 raise end
             if end is _CLOSE:
                 return
+
+    # -- pushed: the threads that queue frames send them
+    def push(
+        self,
+        send: Callable[[bytes], Any],
+        finish: Callable[[BaseException | None], Any],
+        name: str = "rrpc-send",
+    ) -> None:
+        """From now on, frames go out through ``send(packet)`` (which returns
+        once the carrier took the packet), from the threads that queue them
+        (see the class doc); at the end, ``finish(error)`` runs once, with the
+        error the outbox ended with (None: cleanly). Frames queued before go
+        now. ``name``: the sender thread's, should one be needed."""
+        self._finish = finish
+        self._sender_name = name
+        self._send = send
+        self._flush()
+
+    def _flush(self) -> None:
+        """Send what is queued, unless a thread sends already (it will)."""
+        with self._pushing:
+            if self._sending or self._finished:
+                return
+            if thread_state.transport and thread_state.serving is not self.stream:
+                self._wanted = True  # a thread that serves another stream: not here
+                if self._sender is None:
+                    self._sender = threading.Thread(
+                        target=self._send_when_wanted, name=self._sender_name, daemon=True
+                    )
+                    self._sender.start()
+                self._pushing.notify()
+                return
+            self._sending = True
+        self._send_queued()
+
+    def _send_when_wanted(self) -> None:
+        """The sender thread: sends for threads that may not (see ``_flush``)."""
+        pushing = self._pushing
+        while True:
+            with pushing:
+                while not self._wanted and not self._finished:
+                    pushing.wait()
+                if self._finished:
+                    return
+                self._wanted = False
+                if self._sending:
+                    continue  # the thread sending will send it
+                self._sending = True
+            self._send_queued()
+
+    def _send_queued(self) -> None:
+        """With the sending turn: send until nothing is queued, then give the turn up."""
+        while True:
+            batch, end = self._take(block=False)
+            try:
+                for packet in self._cut(batch):
+                    self._send(packet)  # type: ignore[misc]
+            except Exception as exc:  # the carrier failed: the stream ends with it
+                end = exc
+            with self._pushing:
+                if end is not None:
+                    self._finished = True
+                    self._pushing.notify_all()
+                elif not self.queue.empty():
+                    continue
+                self._sending = False
+            if end is not None:
+                self._finish(end if isinstance(end, BaseException) else None)
+            return
+
+    # -- both
+    def _take(self, block: bool) -> tuple[list[list[Any]], Any]:
+        """The frames queued now (waiting for the first one if ``block``),
+        lingering under load for more, and the end marker met (None: none)."""
+        batch: list[list[Any]] = []
+        end = self._drain(batch, block)
+        if (
+            batch
+            and end is None
+            and self.batch_delay
+            and self.open_exchanges() >= self.batch_min_open
+        ):
+            self.sleep(self.batch_delay)  # asleep, not waiting: puts wake nobody
+            end = self._drain(batch, block=False)
+        return batch, end
+
+    def _cut(self, batch: list[list[Any]]) -> Iterator[bytes]:
+        """The packets of ``batch``; each one leaves the backlog once the
+        carrier took it (flow control let it go)."""
+        if not batch:
+            return
+        packets = wire.packets(itertools.chain.from_iterable(batch), self.packet_size)
+        if self._room is None:
+            yield from packets
+            return
+        for packet in packets:
+            yield packet
+            self._sent_bytes(len(packet))
 
     def _drain(self, batch: list, block: bool) -> Any:
         """Move queued frames into ``batch`` (waiting for the first one if

@@ -37,7 +37,7 @@ from __future__ import annotations
 import functools
 import itertools
 import threading
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import Any
 
@@ -335,7 +335,7 @@ class Server:
         self._batching = (batch_delay, batch_min_open)
         self._outboxes: set[Outbox] = set()
         self.admission = streams.Admission(streams.PEER_IN_FLIGHT)
-        # A sync gRPC server holds one thread per open stream for the stream's life.
+        # An executor thread sets each incoming stream up (``_exchange``), then is free.
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=4096, thread_name_prefix="rrpc-stream"),
             options=[
@@ -343,7 +343,9 @@ class Server:
                 ("grpc.max_receive_message_length", packet_limit(packet_size)),
             ],
         )
-        handler = grpc.stream_stream_rpc_method_handler(self._exchange)
+        exchange = functools.partial(self._exchange)
+        exchange.experimental_non_blocking = True  # type: ignore[attr-defined]
+        handler = grpc.stream_stream_rpc_method_handler(exchange)
         self._server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(SERVICE, {"Exchange": handler}),)
         )
@@ -374,7 +376,19 @@ class Server:
             found = self._bulk_streams.get(key)
         return found[1] if found is not None and found[0] == rank else None
 
-    def _exchange(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext):
+    def _exchange(
+        self,
+        request_iterator: Iterator[bytes],
+        context: grpc.ServicerContext,
+        send: Callable[[bytes | None], Any],
+    ) -> None:
+        """Serve one caller's stream. gRPC calls it with ``send`` (its
+        ``experimental_non_blocking`` form): ``send(packet)`` writes a packet
+        from any thread, one at a time, and returns once gRPC took it;
+        ``send(None)`` ends the stream with its status. So a reply goes out
+        from the thread that made it (``streams.Outbox.push``), not through a
+        thread woken to yield it. It returns once the stream is set up; its
+        reader threads serve it from then on."""
         metadata = dict(context.invocation_metadata())
         try:
             peer_rank = int(metadata.get("rrpc-rank", "-1"))
@@ -385,11 +399,12 @@ class Server:
         requests: Iterator[bytes] = request_iterator
         if self._token is not None:
             stream.move(AUTHENTICATE)
-            checked = yield from self._authenticate(
-                request_iterator, context, metadata, peer_rank, stream
+            checked = self._authenticate(
+                request_iterator, context, metadata, peer_rank, stream, send
             )
             if checked is None:
                 stream.move(END)
+                send(None)
                 return  # the caller went away before it proved itself
             requests = checked
         elif auth.NONCE_KEY in metadata:
@@ -416,11 +431,22 @@ class Server:
                 self._bulk_streams.pop(key, None)
                 channel.close()
 
+        def finish(error: BaseException | None) -> None:
+            """The outbox ended: the stream's status goes (an error: a malformed frame)."""
+            self._outboxes.discard(outbox)
+            if error is not None:
+                self._refuse(
+                    context, f"bad-frame:{type(error).__name__}", f"malformed frame: {error}"
+                )
+                context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
+                context.set_details(f"malformed frame: {error}")
+            send(None)
+
         # A caller that half-closed is no longer read from: if it then goes
-        # away with requests unanswered, only this ends the stream (and frees
-        # its thread).
+        # away with requests unanswered, only this ends the stream.
         context.add_callback(stream_over)
         self._outboxes.add(outbox)
+        outbox.push(send, finish, name=f"rrpc-send-{self._rank}<-{peer_rank}")
         attach = functools.partial(self._attach, peer_rank) if self._attach else None
         reader = wire.FrameReader(
             self._max_message_size, attach, channel.claim if channel is not None else None
@@ -453,13 +479,6 @@ class Server:
             threading.Thread(
                 target=readers.run, name=f"rrpc-serve-{peer_rank}-{turn}", daemon=True
             ).start()
-        try:
-            yield from outbox.packets()
-        except Exception as exc:
-            self._refuse(context, f"bad-frame:{type(exc).__name__}", f"malformed frame: {exc}")
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed frame: {exc}")
-        finally:
-            self._outboxes.discard(outbox)
 
     def _bulk_channel(
         self,
@@ -498,8 +517,9 @@ class Server:
         metadata: dict[str, Any],
         peer_rank: int,
         stream: StreamState,
-    ) -> Generator[bytes, None, Iterator[bytes] | None]:
-        """The callee's side of the handshake (``auth.py``): yields this
+        send: Callable[[bytes], Any],
+    ) -> Iterator[bytes] | None:
+        """The callee's side of the handshake (``auth.py``): sends this
         worker's handshake packet, returns the requests once the caller proved
         itself, None if it went away first (aborts the stream if it fails,
         before any frame is read)."""
@@ -511,7 +531,7 @@ class Server:
         except auth.Refused as refused:
             self._refuse(context, refused.kind, str(refused))
             context.abort(grpc.StatusCode.UNAUTHENTICATED, auth.REFUSED)
-        yield handshake.frame
+        send(handshake.frame)
         # A caller that never answers holds this thread no longer than this.
         timeout = SERVER_HANDSHAKE_TIMEOUT
         timer = self._scheduler.call_later(timeout, self._expire, stream, context, timeout)

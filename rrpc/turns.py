@@ -106,6 +106,7 @@ class TakeTurns:
         mark_transport_thread()
         me = threading.get_ident()
         stream, outbox = self.stream, self._outbox
+        thread_state.serving = stream  # its replies it may send itself (``streams.Outbox``)
         reading = False  # whether this thread holds the role
         while True:
             if not reading:

@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from rrpc import codec, streams, turns, wire
-from rrpc.messages import ProtocolError
+from rrpc.messages import ProtocolError, mark_transport_thread, thread_state
 from rrpc.streams import (
     AUTHENTICATE,
     AUTHENTICATING,
@@ -172,3 +172,104 @@ def test_a_peer_has_one_bound_of_requests_in_flight_across_its_streams():
     assert admission.of(3) is admission.of(3)
     assert admission.of(3) is not admission.of(4)
     assert admission.of(3).limit == 8
+
+
+# -- A pushed outbox: the threads that queue frames send them -------------------------
+class _Carrier:
+    """A carrier's two ends for ``Outbox.push``: what was sent, by which thread."""
+
+    def __init__(self, on_send=None):
+        self.sent: list[tuple[bytes, str]] = []
+        self.finished: list[BaseException | None] = []
+        self.on_send = on_send
+
+    def send(self, packet: bytes) -> None:
+        self.sent.append((packet, threading.current_thread().name))
+        if self.on_send is not None:
+            self.on_send()
+
+    def finish(self, error: BaseException | None) -> None:
+        self.finished.append(error)
+
+
+def test_a_pushed_frame_goes_out_from_the_thread_that_queued_it():
+    outbox = streams.Outbox(packet_size=1 << 20)
+    carrier = _Carrier()
+    outbox.put([b"early;"])  # queued before the carrier is there: it goes at push
+    outbox.push(carrier.send, carrier.finish)
+    outbox.put([b"a;", b"b;"])
+    me = threading.current_thread().name
+    assert carrier.sent == [(b"early;", me), (b"a;b;", me)]
+    outbox.end()
+    assert carrier.finished == [None]
+    outbox.end()
+    outbox.put([b"late;"])
+    assert (len(carrier.sent), carrier.finished) == (2, [None])  # nothing after the end
+
+
+def test_frames_queued_while_a_thread_sends_go_with_its_next_packet():
+    outbox = streams.Outbox(packet_size=1 << 20)
+    others = []
+
+    def another_thread_queues_two():  # while the first send is under way
+        if not others:
+            others.append(threading.Thread(target=outbox.put, args=([b"x;"],)))
+            others.append(threading.Thread(target=outbox.put, args=([b"y;"],)))
+            for thread in others:
+                thread.start()
+                thread.join(5)  # they return at once: a thread is sending
+
+    carrier = _Carrier(another_thread_queues_two)
+    outbox.push(carrier.send, carrier.finish)
+    outbox.put([b"first;"])
+    me = threading.current_thread().name
+    assert carrier.sent == [(b"first;", me), (b"x;y;", me)]
+
+
+def test_a_thread_serving_another_stream_leaves_the_sending_to_the_outbox_sender():
+    outbox = streams.Outbox(packet_size=1 << 20)
+    sent = threading.Event()
+    carrier = _Carrier(sent.set)
+    outbox.push(carrier.send, carrier.finish)
+
+    def serving(stream):
+        def run():
+            mark_transport_thread()
+            thread_state.serving = stream
+            outbox.put([stream.__class__.__name__.encode()])
+
+        thread = threading.Thread(target=run, name="reader")
+        thread.start()
+        thread.join(5)
+
+    serving(outbox.stream)  # this stream's reader: it sends itself
+    assert carrier.sent == [(b"StreamState", "reader")]
+    sent.clear()
+    serving(StreamState(OPEN))  # another stream's: the sender thread does
+    assert sent.wait(5)
+    assert carrier.sent[1][0] == b"StreamState" and carrier.sent[1][1] == "rrpc-send"
+    outbox.end()
+
+
+def test_a_pushed_outbox_finishes_once_with_the_error_it_ended_with():
+    outbox = streams.Outbox(packet_size=1 << 20)
+    carrier = _Carrier()
+    outbox.push(carrier.send, carrier.finish)
+    error = ProtocolError("malformed")
+    outbox.end(error)
+    outbox.end()
+    assert carrier.finished == [error]
+
+
+def test_a_carrier_that_fails_to_send_ends_the_outbox_with_its_error():
+    outbox = streams.Outbox(packet_size=1 << 20)
+    carrier = _Carrier()
+    failure = ConnectionError("gone")
+
+    def fail() -> None:
+        raise failure
+
+    carrier.on_send = fail
+    outbox.push(carrier.send, carrier.finish)
+    outbox.put([b"a;"])  # the queuing thread does not see the failure
+    assert carrier.finished == [failure]
