@@ -325,13 +325,19 @@ class Outbox:
         self._sent = 0
         self.received = 0
         self.backlog = 0
-        self._room: threading.Condition | None = threading.Condition() if track_backlog else None
-        # Pushed (see ``push``): the carrier's two ends, and under _pushing
+        self._track = track_backlog
+        # One lock (``with self._lock``: no Python frame) for the backlog and
+        # the pushing state: readers wait on _room while the backlog is over
+        # its bound (_room_waiters of them), the sender thread on _pushing.
+        self._lock = threading.RLock()
+        self._room = threading.Condition(self._lock)
+        self._room_waiters = 0
+        self._pushing = threading.Condition(self._lock)
+        # Pushed (see ``push``): the carrier's two ends, and under _lock
         # whether a thread is sending, whether the sender thread is wanted,
         # whether the end was sent.
         self._send: Callable[[bytes], Any] | None = None
         self._finish: Callable[[BaseException | None], Any] = lambda error: None
-        self._pushing = threading.Condition(threading.Lock())
         self._sending = False
         self._wanted = False
         self._sender: threading.Thread | None = None
@@ -344,9 +350,9 @@ class Outbox:
     def put(self, pieces: list[Any]) -> None:
         """Queue one frame's pieces, from any thread."""
         self._sent = next(self._sends)
-        if self._room is not None:
+        if self._track:
             size = sum(map(len, pieces))
-            with self._room:
+            with self._lock:
                 self.backlog += size
         self.queue.put(pieces)
         if self._send is not None:
@@ -366,8 +372,8 @@ class Outbox:
     def end(self, error: BaseException | None = None) -> None:
         """End this direction after what is queued; with ``error``, end it failed."""
         self._queue_end(_CLOSE if error is None else error)
-        if self._room is not None:
-            with self._room:
+        if self._track:
+            with self._lock:
                 self._room.notify_all()  # readers waiting for room look at the state again
 
     def _queue_end(self, end: Any) -> None:
@@ -380,30 +386,30 @@ class Outbox:
     def wait_for_room(self) -> bool:
         """Wait while more than ``REPLY_BACKLOG`` bytes wait to go; False if
         the stream ended (CLOSED) meanwhile."""
-        room = self._room
-        if room is None or self.backlog <= REPLY_BACKLOG:
+        if not self._track or self.backlog <= REPLY_BACKLOG:
             return self.stream.state is not CLOSED
-        with room:
+        with self._lock:
             while self.backlog > REPLY_BACKLOG and self.stream.state is not CLOSED:
-                room.wait()
+                self._room_waiters += 1
+                self._room.wait()
+                self._room_waiters -= 1
             return self.stream.state is not CLOSED
 
     def hold(self, size: int) -> None:
         """``size`` bytes of a frame wait to go elsewhere (its buffers on a
         bulk socket): they count in ``backlog`` until ``release``."""
-        if self._room is not None:
-            with self._room:
+        if self._track:
+            with self._lock:
                 self.backlog += size
 
     def release(self, size: int) -> None:
-        if self._room is not None:
+        if self._track:
             self._sent_bytes(size)
 
     def _sent_bytes(self, size: int) -> None:
-        assert self._room is not None
-        with self._room:
+        with self._lock:
             self.backlog -= size
-            if self.backlog <= REPLY_BACKLOG:
+            if self._room_waiters and self.backlog <= REPLY_BACKLOG:
                 self._room.notify_all()
 
     # -- pulled: the carrier's sender thread iterates the packets
@@ -436,7 +442,7 @@ class Outbox:
 
     def _flush(self) -> None:
         """Send what is queued, unless a thread sends already (it will)."""
-        with self._pushing:
+        with self._lock:
             if self._sending or self._finished:
                 return
             if thread_state.transport and thread_state.serving is not self.stream:
@@ -455,7 +461,7 @@ class Outbox:
         """The sender thread: sends for threads that may not (see ``_flush``)."""
         pushing = self._pushing
         while True:
-            with pushing:
+            with self._lock:
                 while not self._wanted and not self._finished:
                     pushing.wait()
                 if self._finished:
@@ -475,7 +481,7 @@ class Outbox:
                     self._send(packet)  # type: ignore[misc]
             except Exception as exc:  # the carrier failed: the stream ends with it
                 end = exc
-            with self._pushing:
+            with self._lock:
                 if end is not None:
                     self._finished = True
                     self._pushing.notify_all()
@@ -508,7 +514,7 @@ class Outbox:
         if not batch:
             return
         packets = wire.packets(itertools.chain.from_iterable(batch), self.packet_size)
-        if self._room is None:
+        if not self._track:
             yield from packets
             return
         for packet in packets:
@@ -517,15 +523,16 @@ class Outbox:
 
     def _drain(self, batch: list, block: bool) -> Any:
         """Move queued frames into ``batch`` (waiting for the first one if
-        ``block``) up to an end marker, which it returns (None: no end yet)."""
-        while True:
-            try:
-                item = self.queue.get() if block and not batch else self.queue.get_nowait()
-            except queue.Empty:
-                return None
+        ``block``) up to an end marker, which it returns (None: no end yet).
+        Only the thread sending takes from the queue: what it finds there stays."""
+        blocking = block and not batch
+        while blocking or not self.queue.empty():
+            item = self.queue.get() if blocking else self.queue.get_nowait()
             if item is _CLOSE or isinstance(item, BaseException):
                 return item
             batch.append(item)
+            blocking = False
+        return None
 
 
 # -- Receiving -----------------------------------------------------------------------

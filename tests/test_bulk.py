@@ -171,13 +171,14 @@ def test_transfers_waiting_to_go_count_in_the_streams_reply_backlog():
     assert served.bind(socks[1]) and dialer.bind(socks[0])
     try:
         big = _random(32 * MiB, 9)
-        with outbox._room:  # nothing is written before this looks
+        with outbox._lock:  # nothing is written before this looks
             served.send(_frame(big), outbox.put)
             assert outbox.backlog > len(big)
         (first,) = outbox.queue.get_nowait()
         got = dialer.claim(_envelope(first).bulk, [len(big)])
         assert np.array_equal(got[0], big)
-        with outbox._room:
+        with outbox._lock:
+            outbox._room_waiters += 1  # woken as a reader waiting for room is
             assert outbox._room.wait_for(lambda: outbox.backlog == len(first), timeout=10)
     finally:
         served.close()
