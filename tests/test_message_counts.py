@@ -58,6 +58,15 @@ def torch_counts():
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def _served_from(peer: str) -> dict[str, int]:
+    """What this worker served for ``peer`` so far, by function or kind (for errors)."""
+    return {
+        name: row.calls_served
+        for (from_peer, name), row in list(rrpc.agent.current_agent().metrics.cells.items())
+        if from_peer == peer and row.calls_served
+    }
+
+
 def _traffic(peer: str) -> tuple[int, int]:
     """(requests sent to ``peer``, requests served for it) so far, on this worker."""
     stats = rrpc.stats().get(peer, {})
@@ -122,6 +131,7 @@ def _autograd_step_counts(release_delay=None):
             step()
         rrpc.autograd._wait_releases(30.0)
         sent0, served0 = _traffic("worker1")
+        served_before = _served_from("worker1")
         for _ in range(STEPS):
             step()
         before_flush = _traffic("worker1")[0] - sent0
@@ -130,7 +140,7 @@ def _autograd_step_counts(release_delay=None):
         autograd_module.RELEASE_DELAY = previous
     sent, served = _traffic("worker1")
     if release_delay is None:
-        return sent - sent0, served - served0
+        return sent - sent0, served - served0, served_before, _served_from("worker1")
     return before_flush, sent - sent0
 
 
@@ -140,12 +150,15 @@ def test_autograd_step_sends_no_more_than_torch(cluster, torch_counts):
     # torch's worker1 answers the trainer's context release with its own, and
     # more: about 3 requests a step (the last may land after the count ends).
     assert torch_served >= 2 * STEPS, torch_counts
-    sent, served = cluster.run(_autograd_step_counts)
+    sent, served, served_before, served_after = cluster.run(_autograd_step_counts)
     # The forward call, the backward pass and the optimizer's step, as torch;
     # the context releases gathered in one message per RELEASE_DELAY
     # (autograd.py): one a step at most (steps slower than the delay), at least one.
     assert 3 * STEPS < sent <= torch_sent, sent
-    assert served == 0, f"worker1 sent {served} requests back in {STEPS} steps"
+    assert served == 0, (
+        f"worker1 sent {served} requests back in {STEPS} steps: {served_after}"
+        f" (before them: {served_before})"
+    )
 
 
 def test_the_releases_of_many_steps_go_in_one_message(cluster):
