@@ -1,16 +1,20 @@
 """The streams without sockets: the sending side (``streams.Outbox``:
 batching, lingering, ending), the readers' turns, and the bound on a peer's
-requests in flight."""
+requests in flight; and one real gRPC stream, for who sends its replies."""
 
+import queue
+import sys
 import threading
+import time
 import weakref
 
 import numpy as np
 import pytest
 
-from rrpc import codec, options, streams, turns, wire
+from rrpc import codec, options, streams, transport, turns, wire
 from rrpc._proto.rrpc_pb2 import Envelope
 from rrpc.messages import ProtocolError
+from rrpc.scheduler import Scheduler
 
 
 def _frame(i: int) -> list[bytes]:
@@ -268,3 +272,55 @@ def test_requests_are_admitted_in_order_and_reading_stops_when_admission_fails()
     readers.run()
     assert admitted == ["a", "b", "c"]
     assert handed == ["a", "b"]  # nothing after the refused one, not even the next packet
+
+
+# -- A real gRPC stream: replies go out from the thread that made them -------------
+def _in_exchange(thread: threading.Thread) -> bool:
+    """Whether ``thread`` is inside ``transport.Server._exchange`` now."""
+    frame = sys._current_frames().get(thread.ident)
+    while frame is not None:
+        if frame.f_code is transport.Server._exchange.__code__:
+            return True
+        frame = frame.f_back
+    return False
+
+
+@pytest.mark.timeout(60)
+def test_a_served_stream_holds_no_thread_of_gRPCs_while_its_replies_go_out():
+    """The callee answers on the stream from the thread that ran the request:
+    no stream thread of gRPC's waits in ``_exchange`` to yield the replies
+    (grpcio's synchronous form needs one per stream, woken for every reply)."""
+    scheduler = Scheduler("test-scheduler")
+    served: list[str] = []
+
+    def on_request(frame, peer_rank, respond, inline):
+        served.append(threading.current_thread().name)
+        respond(codec.encode(1, frame.envelope.request_id, codec.loads(frame) * 2).pieces)
+
+    server = transport.Server("127.0.0.1", on_request, None, 1 << 20, 1 << 30, scheduler, rank=1)
+    replies: queue.SimpleQueue = queue.SimpleQueue()
+    connection = transport.Connection(
+        server.address,
+        [("rrpc-rank", "0")],
+        on_frame=lambda frame: replies.put(codec.loads(frame)),
+        on_close=lambda closed, error: None,
+        packet_size=1 << 20,
+        max_message_size=1 << 30,
+        peer_name="worker1",
+        scheduler=scheduler,
+    )
+    try:
+        for i in range(3):
+            connection.send(codec.encode(10, i + 1, f"call{i}").pieces)
+            assert replies.get(timeout=10) == f"call{i}" * 2
+        assert all(name.startswith("rrpc-serve-0-") for name in served), served
+        deadline = time.monotonic() + 5
+        while any(
+            _in_exchange(t) for t in threading.enumerate() if t.name.startswith("rrpc-stream")
+        ):
+            assert time.monotonic() < deadline, "a gRPC thread still serves the stream"
+            time.sleep(0.01)
+    finally:
+        connection.close()
+        server.stop(grace=None)
+        scheduler.stop()
