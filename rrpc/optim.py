@@ -16,15 +16,27 @@ Theory of operation
   (the RRef, held here, is what keeps the local optimizer alive there).
 - Parameters may be shared by several trainers' optimizers (data-parallel
   trainers over one model): on each worker one lock (``autograd.grad_lock``,
-  also held by backward passes, which borrow ``.grad`` too) serialises "set
-  ``.grad``, step", so one step never runs with another's gradients. As in torch, steps
-  of different trainers interleave in any order.
-- ``.grad`` is only borrowed: each parameter's own ``.grad`` is restored after
-  the step, so the context's gradients are not kept alive by the parameters.
+  also held by backward passes, which borrow ``.grad`` and may have saved a
+  parameter a step changes in place) serialises steps, so one step never
+  runs with another's gradients. As in torch, steps of different trainers
+  interleave in any order.
+- The step takes the gradients as a list where it can: for the optimizers
+  torch ships a *functional* form of (``SGD``, ``Adam``, ``AdamW``,
+  ``Adagrad``, ``Adadelta``, ``Adamax``, ``RMSprop``, ``Rprop``: torch's own
+  ``DistributedOptimizer`` steps these), the local optimizer is that form,
+  and ``step(gradients)`` applies the context's gradients with the same
+  arithmetic (bit for bit) and none of ``torch.optim.Optimizer.step``'s
+  layers (hooks, profiling, ``.grad``); their defaults are torch's
+  ``DistributedOptimizer``'s too (``SGD``'s ``lr`` is 0.01 there, 0.001 in
+  ``torch.optim.SGD``). Any other optimizer class, or
+  arguments only the class itself takes, get the class: ``.grad`` is then
+  only borrowed, each parameter's own ``.grad`` restored after the step, so
+  the context's gradients are not kept alive by the parameters.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import weakref
 from collections import defaultdict
@@ -38,19 +50,49 @@ from rrpc.rref import RRef
 __all__ = ["DistributedOptimizer"]
 
 
-class _LocalOptimizer:
-    """On a parameter owner: ``optimizer_class`` over the parameters it owns."""
+@functools.cache
+def _functional_forms() -> dict[type, type]:
+    """torch's functional optimizers by the class they stand for (none if this
+    torch has none). Looked up when the first local optimizer is built: the
+    package that holds them takes most of a second to import."""
+    try:
+        from torch.distributed.optim.utils import functional_optim_map
+    except ImportError:  # pragma: no cover - a torch without torch.distributed
+        return {}
+    return dict(functional_optim_map)
 
-    # One per worker, shared with distributed backward passes (both borrow .grad).
+
+class _LocalOptimizer:
+    """On a parameter owner: ``optimizer_class`` over the parameters it owns,
+    in its functional form where torch has one (see the module doc)."""
+
+    # One per worker, shared with distributed backward passes: a step changes
+    # parameters in place, which a pass may have saved for its gradients, and
+    # the class form borrows .grad, as passes do.
     lock = autograd.grad_lock
 
     def __init__(self, optimizer_class: type, param_rrefs: list[RRef], *args: Any, **kwargs: Any):
         self.params = [rref.local_value() for rref in param_rrefs]
-        self.optimizer = optimizer_class(self.params, *args, **kwargs)
+        self.functional = None
+        functional = _functional_forms().get(optimizer_class)
+        if functional is not None:
+            try:
+                self.functional = functional(self.params, *args, **kwargs)
+            except TypeError:  # an argument only the class takes (``differentiable``, say)
+                pass
+        self.optimizer = (
+            None if self.functional is not None else optimizer_class(self.params, *args, **kwargs)
+        )
 
     def step(self, context_id: int) -> None:
         # A worker that got no gradient in this context steps with none (torch raises).
         gradients = autograd._gradients_if_any(context_id)
+        if self.functional is not None:
+            ordered = [gradients.get(param) for param in self.params]
+            with _LocalOptimizer.lock:
+                self.functional.step(ordered)
+            return
+        assert self.optimizer is not None
         with _LocalOptimizer.lock:
             own = [param.grad for param in self.params]
             for param in self.params:

@@ -84,8 +84,12 @@ def _train_two_remote_layers(optimizer_class, kwargs, steps):
         (torch.optim.SGD, {"lr": 0.01, "momentum": 0.9, "weight_decay": 0.01, "nesterov": True}),
         (torch.optim.Adam, {"lr": 0.01}),
         (torch.optim.Adam, {"lr": 0.01, "amsgrad": True, "betas": (0.8, 0.99)}),
+        (torch.optim.RMSprop, {"lr": 0.01, "momentum": 0.5}),
+        # No functional form takes it: the class steps, with .grad borrowed.
+        (torch.optim.SGD, {"lr": 0.05, "differentiable": False}),
+        (torch.optim.NAdam, {"lr": 0.01}),  # torch has no functional NAdam
     ],
-    ids=["SGD", "SGD-nesterov", "Adam", "Adam-amsgrad"],
+    ids=["SGD", "SGD-nesterov", "Adam", "Adam-amsgrad", "RMSprop", "SGD-class", "NAdam"],
 )
 def test_twenty_steps_equal_local_training(cluster, no_state_left_behind, optimizer_class, kwargs):
     distributed, local, (initial_w1,) = cluster.run(

@@ -244,3 +244,50 @@ def test_a_call_naming_an_rref_runs_after_its_creation(delay):
     count = 50 if delay == 0.0 else 3
     results = _run(_remote_then_call_naming_it, "rrpc", delay=delay, count=count)
     assert results[0] == [10 * key for key in range(count)]
+
+
+# -- DistributedOptimizer's defaults -------------------------------------------
+
+
+def _owned_weight():
+    return (torch.arange(6, dtype=torch.float32).reshape(2, 3) / 10).requires_grad_()
+
+
+def _loss_of(weight_rref, x):
+    """On the weight's owner: a loss of the weight itself."""
+    return torch.tanh(x @ weight_rref.local_value()).sum()
+
+
+def _steps_with_default_arguments(rank, world_size, framework):
+    """Optimizers left at their defaults, two steps each, on a weight worker1 owns."""
+    api = _api(framework)
+    _init(api, rank, world_size)
+    rpc, dist_autograd = api.rpc, api.dist_autograd
+    result = None
+    if rank == 0:
+        if framework == "torch":
+            from torch.distributed.optim import DistributedOptimizer
+        else:
+            from rrpc.optim import DistributedOptimizer
+        result = {}
+        x = torch.tensor([[1.0, -2.0]])
+        for optimizer_class in (torch.optim.SGD, torch.optim.Adamax, torch.optim.Adam):
+            weight = rpc.remote("worker1", _owned_weight)
+            optimizer = DistributedOptimizer(optimizer_class, [weight])
+            for _ in range(2):
+                with dist_autograd.context() as context_id:
+                    loss = rpc.rpc_sync("worker1", _loss_of, args=(weight, x))
+                    dist_autograd.backward(context_id, [loss])
+                    optimizer.step(context_id)
+            result[optimizer_class.__name__] = weight.to_here().tolist()
+    rpc.shutdown()
+    return result
+
+
+@pytest.mark.timeout(240)
+def test_distributed_optimizer_defaults_step_as_on_torch():
+    """torch's DistributedOptimizer steps SGD, Adam, ... in their functional
+    forms, whose defaults differ from the classes' (SGD's lr: 0.01, not
+    0.001): a step with the defaults moves the weight as far as torch's does."""
+    results = _same_on_both(_steps_with_default_arguments)
+    assert not torch.allclose(torch.tensor(results[0]["SGD"]), _owned_weight())
