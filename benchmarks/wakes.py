@@ -1,7 +1,8 @@
 """Thread wake-ups per call: which threads of the caller and the callee a workload wakes.
 
 Run from the repository root: ``python benchmarks/wakes.py [workload] [seconds]``
-(workloads: ``sync``, ``remote_to_here``, ``async_64``, ``threads_64``;
+(workloads: ``sync``, ``remote_to_here``, ``async_64``, ``threads_64``,
+``autograd``: a distributed-autograd step as bench.py's, counted per step;
 ``--framework torch`` runs the same on ``torch.distributed.rpc``).
 
 A thread hand-off costs tens of microseconds on a small VM, and on two vCPUs
@@ -25,9 +26,10 @@ import threading
 import time
 from collections.abc import Callable
 
+import torch
 import torch.multiprocessing as mp
 
-WORKLOADS = ("sync", "remote_to_here", "async_64", "threads_64")
+WORKLOADS = ("sync", "remote_to_here", "async_64", "threads_64", "autograd")
 
 
 def noop() -> None:
@@ -57,8 +59,33 @@ def switches(pid: int) -> dict[int, int]:
     return counts
 
 
+def param_rrefs(module_rref):
+    return [type(module_rref)(p) for p in module_rref.local_value().parameters()]
+
+
+def autograd_step(rpc) -> Callable[[], None]:
+    """bench.py's ``dist_autograd`` step: forward on a remote Linear, backward, optimizer step."""
+    package = rpc.__name__.removesuffix(".rpc")
+    dist_autograd = importlib.import_module(f"{package}.autograd")
+    optim = importlib.import_module(f"{package}.optim")
+    module = rpc.remote("server", torch.nn.Linear, args=(512, 512))
+    params = rpc.rpc_sync("server", param_rrefs, args=(module,))
+    optimizer = optim.DistributedOptimizer(torch.optim.SGD, params, lr=0.01)
+    x = torch.randn(32, 512)
+
+    def step() -> None:
+        with dist_autograd.context() as context_id:
+            loss = module.rpc_sync().forward(x).sum()
+            dist_autograd.backward(context_id, [loss])
+            optimizer.step(context_id)
+
+    return step
+
+
 def workload(rpc, name: str) -> tuple[Callable[[], None], int]:
-    """One round of ``name`` on ``rpc``, and the calls it makes."""
+    """One round of ``name`` on ``rpc``, and the calls (steps) it makes."""
+    if name == "autograd":
+        return autograd_step(rpc), 1
     if name == "sync":
         return (lambda: rpc.rpc_sync("server", noop)), 1
     if name == "remote_to_here":
