@@ -244,7 +244,19 @@ class Writer:
     slowly) waits in ``backlog`` for the lane's sender thread, and every later
     frame queues behind it, so frames never interleave. ``wait_for_room``
     blocks while more than ``limit`` bytes wait (the callee's readers call it
-    before reading another request)."""
+    before reading another request).
+
+    Writers combine: a thread that finds another one sending leaves its
+    frame in ``_queued`` and goes on, and the sending thread sends it with
+    its own (in one ``sendmsg`` when they fit) before it lets go of the
+    socket. Sixty-four threads calling over one lane would otherwise queue
+    on the socket's lock while its holder, between the ``sendmsg`` that let
+    go of the GIL and its return, waits to get the GIL back: a convoy in
+    which a caller waited longer for the lock than for its reply.
+    ``_combining`` is set while a thread sends that way, under the lock: a
+    thread that finds the lock held by anyone else (the sender thread, a
+    reader waiting for room) waits for it as before, so no frame is ever
+    left queued with nobody about to send it (``_send_queued``)."""
 
     def __init__(self, sock: socket.socket, name: str, limit: int):
         self._sock = sock
@@ -252,19 +264,52 @@ class Writer:
         self._limit = limit
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
+        self._queued: collections.deque[list[Any]] = collections.deque()
+        self._combining = False
         self._backlog: collections.deque[memoryview] = collections.deque()
         self.backlog_bytes = 0
         self._sender: threading.Thread | None = None
         self.error: BaseException | None = None
 
     def write(self, pieces: list[Any]) -> None:
-        with self._lock:
-            if self.error is not None:
-                raise LaneBroken(str(self.error))
+        """Send one frame's ``pieces``, or leave them to the thread sending now.
+        Raises LaneBroken if the lane broke (then its frames are dropped)."""
+        self._queued.append(pieces)
+        self._send_queued()
+
+    def _send_queued(self) -> None:
+        """Send the queued frames unless a combining thread will. Its own
+        frame queued, a thread leaves only when the queue is empty or when it
+        saw ``_combining`` set, after the frame was queued: that thread then
+        looks at the queue again after it let go of the lock."""
+        queued, lock = self._queued, self._lock
+        while queued:
+            if not lock.acquire(blocking=False):
+                if self._combining:
+                    return  # the sending thread sends ours with its own
+                lock.acquire()
+            self._combining = True
+            try:
+                self._take_queued()
+            finally:
+                self._combining = False
+                lock.release()
+
+    def _take_queued(self) -> None:
+        """With the lock held: the queued frames to the socket, in order, what
+        it does not take to the backlog."""
+        queued = self._queued
+        if self.error is not None:
+            queued.clear()
+            raise LaneBroken(str(self.error))
+        while queued:
+            pieces = queued.popleft()
+            while queued and len(pieces) < IOV_MAX:
+                pieces = pieces + queued.popleft()
             if not self._backlog:
                 pieces = self._send_now(pieces)
                 if not pieces:
-                    return
+                    continue
             for piece in pieces:
                 view = memoryview(piece).cast("B")
                 if view.nbytes:  # an empty one would never leave the queue (0 bytes sent)
