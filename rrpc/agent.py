@@ -231,6 +231,7 @@ class Agent:
             unread_replies=unread_replies,
         )
         self.address = self.server.address
+        self.server.admission.gate(self.ready, options.init_timeout)
         # Our same-host lane's socket (lane_listener.py), which callers on this host dial.
         self.lane_listener: lane_listener.Listener | None = None
         if options.same_host_lane:

@@ -192,8 +192,9 @@ class InFlight:
     A frame heavier than the limit goes through alone, once nothing else of
     the peer's is waiting."""
 
-    def __init__(self, limit: int = PEER_IN_FLIGHT):
+    def __init__(self, limit: int = PEER_IN_FLIGHT, admission: Admission | None = None):
         self.limit = limit
+        self._admission = admission  # whose ``wait_open`` gates every request
         self.count = 0
         self._waiting = 0  # readers waiting in ``take``: ``give`` wakes them only
         # Reentrant: a frame may be freed by a garbage collection that runs
@@ -204,6 +205,8 @@ class InFlight:
     def take(self, weight: int, ended: Callable[[], Any]) -> bool:
         """Take ``weight``, waiting for requests to be taken up if need be;
         False if the stream ``ended`` meanwhile (nobody is left to answer)."""
+        if self._admission is not None:
+            self._admission.wait_open()
         with self._lock:
             while self.count and self.count + weight > self.limit:
                 if ended():
@@ -230,18 +233,35 @@ class InFlight:
 
 class Admission:
     """The ``InFlight`` of each calling peer, by rank: one per peer, whatever
-    stream (or carrier) its requests come on."""
+    stream (or carrier) its requests come on; and the gate they all pass
+    (``gate``)."""
 
     def __init__(self, limit: int = PEER_IN_FLIGHT):
         self._limit = limit
         self._peers: dict[int, InFlight] = {}
         self._lock = threading.Lock()
+        self._opened: threading.Event | None = None
+        self._open_wait = 0.0
+
+    def gate(self, opened: threading.Event, wait: float) -> None:
+        """Hand no request on before ``opened`` is set (at most ``wait``
+        seconds): the worker's ``init_rpc`` is done. A peer that finished
+        its own first may call already; its requests wait here, in its
+        stream's reader with the reading, so they start in the order they
+        came. (Handed on first, each would wait wherever it was to run, and
+        a later one could start first.)"""
+        self._opened, self._open_wait = opened, wait
+
+    def wait_open(self) -> None:
+        opened = self._opened
+        if opened is not None and not opened.is_set():
+            opened.wait(self._open_wait)
 
     def of(self, rank: int) -> InFlight:
         with self._lock:
             in_flight = self._peers.get(rank)
             if in_flight is None:
-                in_flight = self._peers[rank] = InFlight(self._limit)
+                in_flight = self._peers[rank] = InFlight(self._limit, self)
             return in_flight
 
 

@@ -273,3 +273,42 @@ def test_a_carrier_that_fails_to_send_ends_the_outbox_with_its_error():
     outbox.push(carrier.send, carrier.finish)
     outbox.put([b"a;"])  # the queuing thread does not see the failure
     assert carrier.finished == [failure]
+
+
+class _Gate(threading.Event):
+    """An event that says when someone first waits on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waited_on = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waited_on.set()
+        return super().wait(timeout)
+
+
+def test_requests_that_come_before_the_worker_is_ready_start_in_their_order_once_it_is():
+    # A peer that finished init_rpc first may call already: its requests wait
+    # in the reader, not each wherever it was to run (where a later one could
+    # start first).
+    admission = streams.Admission()
+    ready = _Gate()
+    admission.gate(ready, wait=30)
+    in_flight = admission.of(1)
+    seen: list[str] = []
+    names = [f"r{i}" for i in range(20)]
+    readers = turns.TakeTurns(
+        iter([_packet(*names[:5]), _packet(*names[5:])]),
+        wire.FrameReader(),
+        lambda frame, inline: (seen.append(codec.loads(frame)), in_flight.give()),
+        admit=lambda frame: in_flight.take(streams.weight(frame), lambda: False),
+    )
+    threads = [threading.Thread(target=readers.run) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    assert ready.waited_on.wait(30)
+    assert seen == []  # nothing handed on before the worker is ready
+    ready.set()
+    for thread in threads:
+        thread.join(30)
+    assert seen == names
