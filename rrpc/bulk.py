@@ -1,4 +1,4 @@
-"""Bulk bytes between hosts: a gRPC stream's large tensor buffers on a TCP socket of their own.
+"""Bulk bytes between hosts: a gRPC stream's large tensor buffers on TCP sockets of their own.
 
 Theory of operation. grpcio's Python API moves ``bytes`` objects: a tensor
 sent on a gRPC stream is joined into packets, copied into gRPC's buffers,
@@ -12,34 +12,46 @@ TensorPipe's tensors travel on channels beside its transport:
 - Every worker listens on a TCP port of its gRPC host (``Listener``) and
   advertises it. A stream's caller dials it (``dial``) the first time a frame
   with ``BULK_MIN`` bytes of buffers or more goes either way on the stream
-  (that frame still travels in the stream). Both ends prove the cluster
-  token as a lane's do (``lane_io.open_as_caller``, bound to the listening
-  address), then the caller names its stream by the random key it sent in
-  the stream's metadata (``KEY_METADATA``), and the callee binds the socket
-  to that stream. Never with TLS (the socket is not encrypted), nor when
-  either end turned bulk sockets off (``bulk_channel``).
+  (that frame still travels in the stream): ``count`` sockets, the caller's
+  ``bulk_sockets`` (at most ``MAX_SOCKETS``). On each, both ends prove the
+  cluster token as a lane's do (``lane_io.open_as_caller``, bound to the
+  listening address), then the caller names its stream by the random key it
+  sent in the stream's metadata (``KEY_METADATA``) and the socket's index and
+  count, and the callee binds the socket to that stream. The channel is
+  bound once all ``count`` are. Never with TLS (the sockets are not
+  encrypted), nor when either end turned bulk sockets off (``bulk_channel``).
 - Once bound, a frame with ``BULK_MIN`` bytes of buffers or more, either
   way, travels in two parts: its envelope and payload in the stream, in the
-  stream's order, with ``bulk`` set to a transfer id; its buffers on the bulk
-  socket, behind a header of the id and the sizes (``Channel.send`` queues
-  both under one lock, so transfers go in the order of their frames). One
-  thread per end writes (``rrpc-bulk-send``), one reads each transfer into
-  buffers allocated for it (``rrpc-bulk-recv``); the stream's frame reader
-  takes them when it reaches the frame (``Channel.claim``), and the tensors
-  are built over them, with no copy.
-- The socket belongs to its stream: when either ends, the other is ended
-  too, and the calls on them fail as on a broken stream. A claim waits while
-  bytes arrive; if none arrive for ``peer_timeout`` (a frozen peer), it fails.
+  stream's order, with ``bulk`` set to a transfer id; its buffers' bytes on
+  the bulk sockets, each socket carrying its share (``stripe``: the bytes,
+  taken as one run across the buffers, cut in ``count`` equal parts) behind
+  a header of the id and the sizes (``Channel.send`` queues the transfer on
+  every socket and the frame under one lock, so transfers go in the order of
+  their frames on each). One thread per socket writes (``rrpc-bulk-send``),
+  one reads (``rrpc-bulk-recv``): the first reader to meet a transfer
+  allocates its buffers, each fills its share, the last one done hands them
+  on; the stream's frame reader takes them when it reaches the frame
+  (``Channel.claim``), and the tensors are built over them, with no copy.
+  Several, as TensorPipe's ``mpt_uv`` lanes: one TCP stream is slower than
+  the link (a 16 MiB echo between two network namespaces: 15–20 ms on one
+  stream, 8.4–11.7 ms on two).
+- Bound, the sockets belong to their stream: when any ends, the stream and
+  the others end too, and its calls fail as on a broken stream (a dial that
+  fails before then leaves the frames whole). A claim waits while bytes
+  arrive; if none arrive for ``peer_timeout`` (a frozen peer), it fails.
 
 Rules:
 - A transfer's sizes are checked against ``max_message_size`` before
   anything is allocated, and must be the frame's (``ProtocolError``
   otherwise: the stream ends).
-- Transfers read and not yet claimed hold at most ``BACKLOG`` bytes (one
-  larger transfer alone may exceed it): past it, the reader stops reading
-  and TCP pushes back on the sender. Claims come in the order the transfers
-  were queued, so the oldest one held is always the next one wanted: the
-  bound cannot deadlock.
+- Transfers allocated and not yet claimed hold at most ``BACKLOG`` bytes
+  (one larger transfer alone may exceed it): past it, a reader meeting a new
+  transfer stops reading and TCP pushes back on the sender. Every reader
+  meets the transfers in the order they were queued, so they are allocated
+  in that order, and claims come in that order: the oldest one held is
+  always the next one wanted, and its readers, past allocation, never wait
+  for room (nor one that finds it allocated while it waited). The bound
+  cannot deadlock.
 - A buffer of ``RECYCLE_MIN`` bytes or more is received into memory that an
   earlier one of its size used, once every tensor over that one is gone
   (``Recycled``): new memory costs a page fault per 4 KiB (a 128 MiB buffer
@@ -81,9 +93,11 @@ from rrpc.messages import AuthenticationError, ProtocolError
 
 BULK_MIN = 1 << 20  # a frame whose stream buffers sum to this many bytes uses the bulk socket
 BACKLOG = 256 << 20  # bytes of transfers read and not yet claimed, at most (see the rules)
-MAGIC = b"rrpcblk1"
+MAGIC = b"rrpcblk2"
 KEY_METADATA = "rrpc-bulk-key"  # the stream's key, in hex, in its gRPC metadata
 KEY_SIZE = 16
+MAX_SOCKETS = 16  # bulk sockets of one stream, at most (TensorPipe's mpt_uv has 16 lanes)
+_NAMING = struct.Struct("<BB")  # after the key: this socket's index, and the count
 FIND_WAIT = 5.0  # seconds a dialer's stream has to reach the callee (it dials at once)
 # One transfer on the socket: its id, its count of buffers, then each size;
 # then the buffers' bytes, in order.
@@ -148,10 +162,6 @@ class Recycled:
 recycled = Recycled(RECYCLE_BYTES)  # every bulk socket's received buffers, in this process
 
 
-def _receive_buffer(size: int) -> np.ndarray:
-    return recycled.take(size) if size >= RECYCLE_MIN else np.empty(size, dtype=np.uint8)
-
-
 def new_key() -> bytes:
     return os.urandom(KEY_SIZE)
 
@@ -161,13 +171,39 @@ def where(host: str, port: int) -> str:
     return f"bulk:{host}:{port}"
 
 
-class Channel:
-    """One end of a stream's bulk socket (either end): transfers out, transfers in.
+def stripe(buffers: list[Any], index: int, count: int) -> list[memoryview]:
+    """The bytes socket ``index`` of ``count`` carries of ``buffers``: the
+    ``index``-th of ``count`` equal parts of their bytes taken as one run
+    (a part may span buffers, or lie inside one), as views, empty ones left out."""
+    views = [memoryview(buffer).cast("B") for buffer in buffers]
+    total = sum(len(view) for view in views)
+    low, high = total * index // count, total * (index + 1) // count
+    part, start = [], 0
+    for view in views:
+        end = start + len(view)
+        if end > max(start, low) and start < high:
+            part.append(view[max(low - start, 0) : min(high, end) - start])
+        start = end
+    return part
 
-    Unbound until ``bind(sock)``; until then ``send`` leaves every frame
-    whole, in the stream. ``on_broken(error)`` is told once if the socket
-    fails while bound (the stream's owner ends the stream). At the caller's
-    end, ``dial()`` returns the socket: it runs once, on a thread of its own,
+
+class _Incoming:
+    """A transfer being read: its buffers, and how many sockets' parts are not in yet."""
+
+    __slots__ = ("buffers", "sizes", "left")
+
+    def __init__(self, buffers: list[np.ndarray], sizes: list[int], left: int):
+        self.buffers, self.sizes, self.left = buffers, sizes, left
+
+
+class Channel:
+    """One end of a stream's bulk sockets (either end): transfers out, transfers in.
+
+    Unbound until ``bind(sock, index, count)`` has bound all ``count``; until
+    then ``send`` leaves every frame whole, in the stream. ``on_broken(error)``
+    is told once if a socket fails while bound (the stream's owner ends the
+    stream). At the caller's end, ``dial(index, count)`` returns socket
+    ``index`` of ``sockets``: they are dialed once, on a thread of their own,
     at the first large frame either way. ``threads`` names the threads, its
     ``{}`` the role.
     """
@@ -179,34 +215,38 @@ class Channel:
         max_message_size: int,
         peer_timeout: float,
         on_broken: Callable[[BaseException], None] | None = None,
-        dial: Callable[[], socket.socket] | None = None,
+        dial: Callable[[int, int], socket.socket] | None = None,
         backlog: Any = None,
+        sockets: int = 1,
     ):
         """``backlog``: the stream's ``streams.Outbox`` whose bound of bytes
-        waiting to go counts the transfers queued here too (the callee's)."""
+        waiting to go counts the transfers queued here too (the callee's).
+        ``sockets``: how many the caller's end dials."""
         self.name = name  # the peer, for errors
         self._backlog = backlog
         self._threads = threads
         self._dial = dial
+        self._dial_count = sockets
         self._max_message_size = max_message_size
         self._peer_timeout = peer_timeout
         self._on_broken = on_broken
-        self._sock: socket.socket | None = None
+        self._socks: list[socket.socket | None] = []  # by index, once the count is known
         self.bound = False
         self.error: BaseException | None = None
         self._ids = itertools.count(1)
         self._order = threading.Lock()  # a frame and its transfer are queued together
         self._lock = threading.Condition(threading.Lock())
-        self._outgoing: collections.deque[tuple[int, list[Any]]] = collections.deque()
+        self._outgoing: list[collections.deque[tuple[int, list[Any]]]] = []  # by socket
+        self._incoming: dict[int, _Incoming] = {}
         self._arrived: dict[int, list[np.ndarray]] = {}
-        self._held = 0  # bytes in _arrived
-        self._progress = time.monotonic()  # when the reader last got bytes
+        self._held = 0  # bytes allocated for transfers not claimed yet
+        self._progress = time.monotonic()  # when a reader last got bytes
 
     # -- Sending --------------------------------------------------------------
     def send(self, pieces: list[Any], put: Callable[[list[Any]], None]) -> bool:
-        """Put a frame on the stream with ``put``: its buffers on this socket
-        (and the frame marked so) when it is bound and they are large. Whether
-        they went here."""
+        """Put a frame on the stream with ``put``: its buffers on the sockets
+        (and the frame marked so) when they are bound and the buffers large.
+        Whether they went there."""
         if len(pieces) < 2 or sum(len(buffer) for buffer in pieces[1:]) < BULK_MIN:
             put(pieces)
             return False
@@ -221,25 +261,27 @@ class Channel:
                 if self.error is not None:  # broken meanwhile: the stream is ending too
                     put(pieces)
                     return False
-                self._outgoing.append((transfer, buffers))
+                for outgoing in self._outgoing:
+                    outgoing.append((transfer, buffers))
                 self._lock.notify_all()
             if self._backlog is not None:
                 self._backlog.hold(sum(len(buffer) for buffer in buffers))
             put([wire.with_bulk(pieces[0], transfer)])
         return True
 
-    def _write(self, sock: socket.socket) -> None:
+    def _write(self, sock: socket.socket, index: int) -> None:
+        outgoing, count = self._outgoing[index], len(self._outgoing)
         while True:
             with self._lock:
-                self._lock.wait_for(lambda: self._outgoing or self.error is not None)
+                self._lock.wait_for(lambda: outgoing or self.error is not None)
                 if self.error is not None:
                     return
-                transfer, buffers = self._outgoing.popleft()
+                transfer, buffers = outgoing.popleft()
             header = _TRANSFER.pack(transfer, len(buffers)) + b"".join(
                 _SIZE.pack(len(buffer)) for buffer in buffers
             )
-            pieces: list[Any] = [header, *buffers]
-            size = sum(len(buffer) for buffer in buffers)
+            pieces: list[Any] = [header, *stripe(buffers, index, count)]
+            size = sum(len(piece) for piece in pieces) - len(header)
             del buffers
             try:
                 while pieces:
@@ -255,7 +297,7 @@ class Channel:
     # -- Receiving ------------------------------------------------------------
     def claim(self, transfer: int, sizes: list[int]) -> list[np.ndarray]:
         """The buffers of ``transfer``, once they are in; ``sizes`` are what its
-        frame announced. Raises ProtocolError if the socket broke, the sizes
+        frame announced. Raises ProtocolError if a socket broke, the sizes
         differ, or no byte came for ``peer_timeout`` seconds."""
         unbound_until = time.monotonic() + HANDSHAKE_TIMEOUT
         with self._lock:
@@ -283,41 +325,65 @@ class Channel:
             )
         return buffers
 
-    def _read(self, sock: socket.socket) -> None:
+    def _read(self, sock: socket.socket, index: int, count: int) -> None:
         head = bytearray(_TRANSFER.size)
         try:
             while True:
                 if not self._fill(sock, memoryview(head), eof_ok=True):
                     self._break(ProtocolError(f"bulk socket closed by {self.name}"))
                     return
-                transfer, count = _TRANSFER.unpack(head)
-                if count > wire.MAX_BUFFERS:
-                    raise ProtocolError(f"bulk transfer of {count} buffers")
-                sizes_bytes = bytearray(_SIZE.size * count)
+                transfer, buffer_count = _TRANSFER.unpack(head)
+                if buffer_count > wire.MAX_BUFFERS:
+                    raise ProtocolError(f"bulk transfer of {buffer_count} buffers")
+                sizes_bytes = bytearray(_SIZE.size * buffer_count)
                 self._fill(sock, memoryview(sizes_bytes))
                 sizes = [size for (size,) in _SIZE.iter_unpack(sizes_bytes)]
-                total = sum(sizes)
-                if self._max_message_size and total > self._max_message_size:
-                    raise ProtocolError(
-                        f"bulk transfer of {total} bytes exceeds "
-                        f"max_message_size={self._max_message_size}"
-                    )
-                with self._lock:  # room for it (see the rules)
-                    while self._arrived and self._held + total > BACKLOG and self.error is None:
-                        self._lock.wait()
-                    if self.error is not None:
-                        return
-                buffers = [_receive_buffer(size) for size in sizes]
-                for buffer in buffers:
-                    self._fill(sock, memoryview(buffer))  # type: ignore[arg-type]
-                buffer = None  # type: ignore[assignment]  # else it holds the last one until the next transfer
+                incoming = self._incoming_for(transfer, sizes, count)
+                if incoming is None:
+                    return
+                for view in stripe(incoming.buffers, index, count):
+                    self._fill(sock, view)
+                view = None  # type: ignore[assignment]  # else it holds a buffer until the next transfer
                 with self._lock:
-                    self._arrived[transfer] = buffers
-                    self._held += total
-                    self._lock.notify_all()
-                del buffers  # the claim's now: freed with its tensors (Recycled)
+                    incoming.left -= 1
+                    if incoming.left == 0 and self._incoming.pop(transfer, None) is incoming:
+                        self._arrived[transfer] = incoming.buffers
+                        self._lock.notify_all()
+                del incoming  # the claim's now: freed with its tensors (Recycled)
         except (OSError, ProtocolError) as exc:
             self._break(exc if isinstance(exc, ProtocolError) else ProtocolError(str(exc)))
+
+    def _incoming_for(self, transfer: int, sizes: list[int], count: int) -> _Incoming | None:
+        """The transfer a reader met: allocated by the first of its readers,
+        once there is room (see the rules); None if the channel broke."""
+        total = sum(sizes)
+        if self._max_message_size and total > self._max_message_size:
+            raise ProtocolError(
+                f"bulk transfer of {total} bytes exceeds max_message_size={self._max_message_size}"
+            )
+        with self._lock:
+            while True:  # another of its readers may allocate it meanwhile
+                incoming = self._incoming.get(transfer)
+                if incoming is not None:
+                    if incoming.sizes != sizes:
+                        raise ProtocolError(
+                            f"bulk transfer {transfer} from {self.name} announced buffers of "
+                            f"{incoming.sizes} and {sizes} bytes on two of its sockets"
+                        )
+                    return incoming
+                if self.error is not None:
+                    return None
+                if not (self._arrived or self._incoming) or self._held + total <= BACKLOG:
+                    break
+                self._lock.wait()
+            buffers = [
+                recycled.take(size) if size >= RECYCLE_MIN else np.empty(size, dtype=np.uint8)
+                for size in sizes
+            ]
+            incoming = _Incoming(buffers, sizes, count)
+            self._incoming[transfer] = incoming
+            self._held += total
+            return incoming
 
     def _fill(self, sock: socket.socket, view: memoryview, eof_ok: bool = False) -> bool:
         """Fill ``view`` from the socket; False at a clean end before its first byte."""
@@ -333,7 +399,7 @@ class Channel:
         return True
 
     def watching(self, on_frame: Callable[[Any], Any]) -> Callable[[Any], Any]:
-        """``on_frame``, which also wants the socket at the first large frame received."""
+        """``on_frame``, which also wants the sockets at the first large frame received."""
 
         def watched(frame: Any) -> Any:
             if not self.bound and frame.buffers and frame.tensor_bytes() >= BULK_MIN:
@@ -344,73 +410,94 @@ class Channel:
 
     # -- Life -----------------------------------------------------------------
     def want(self) -> None:
-        """Dial the socket (once, in the background), if this end dials."""
+        """Dial the sockets (once, in the background), if this end dials."""
         dial, self._dial = self._dial, None
         if dial is None:
             return
+        count = self._dial_count
 
         def dialing() -> None:
-            try:
-                sock = dial()
-            except (OSError, AuthenticationError) as exc:
-                logs.event("bulk-dial", self.name, "no bulk socket to %s: %s", self.name, exc)
-                self.fail(exc)
-                return
-            if not self.bind(sock):
-                sock.close()
+            for index in range(count):
+                try:
+                    sock = dial(index, count)
+                except (OSError, AuthenticationError) as exc:
+                    logs.event("bulk-dial", self.name, "no bulk socket to %s: %s", self.name, exc)
+                    self.fail(exc)
+                    return
+                if not self.bind(sock, index, count):
+                    sock.close()
+                    return
 
         threading.Thread(target=dialing, name=self._threads.format("dial"), daemon=True).start()
 
-    def bind(self, sock: socket.socket) -> bool:
-        """Carry this stream's bulk transfers on ``sock`` (blocking, connected
-        and proven); False if the channel has ended or is bound already."""
+    def bind(self, sock: socket.socket, index: int = 0, count: int = 1) -> bool:
+        """Carry socket ``index`` of this stream's ``count`` bulk sockets on
+        ``sock`` (blocking, connected and proven); False if the channel has
+        ended, the socket is bound already or does not fit the count."""
         with self._lock:
-            if self.bound or self.error is not None:
+            if self.error is not None or not 0 <= index < count <= MAX_SOCKETS:
+                return False
+            if not self._socks:
+                self._socks = [None] * count
+                self._outgoing = [collections.deque() for _ in range(count)]
+            if count != len(self._socks) or self._socks[index] is not None:
                 return False
             sock.setblocking(True)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._sock, self.bound = sock, True
+            self._socks[index] = sock
+            self.bound = all(bound is not None for bound in self._socks)
             self._progress = time.monotonic()
             self._lock.notify_all()
         # The socket is passed on: ``close`` may take it off the channel before they run.
-        for target, role in ((self._read, "recv"), (self._write, "send")):
+        for target, role, args in (
+            (self._read, "recv", (sock, index, count)),
+            (self._write, "send", (sock, index)),
+        ):
             threading.Thread(
-                target=target, args=(sock,), name=self._threads.format(role), daemon=True
+                target=target, args=args, name=self._threads.format(role), daemon=True
             ).start()
         return True
 
     def _break(self, error: BaseException) -> None:
+        """A socket failed. The stream ends with it if the channel was bound
+        (it may carry transfers); else (a dial after the first failed) frames
+        stay whole, as if it had never been dialed."""
         with self._lock:
             first = self._break_locked(error)
-        if first and self._on_broken is not None:
+            bound = self.bound
+        if first and bound and self._on_broken is not None:
             self._on_broken(error)
 
     def _break_locked(self, error: BaseException) -> bool:
         if self.error is not None:
             return False
         self.error = error
+        self._incoming.clear()
         self._arrived.clear()
         self._held = 0
-        self._outgoing.clear()
+        for outgoing in self._outgoing:
+            outgoing.clear()
         self._lock.notify_all()
-        if self._sock is not None:
-            shut(self._sock)
+        for sock in self._socks:
+            if sock is not None:
+                shut(sock)
         return True
 
     def fail(self, error: BaseException) -> None:
-        """It could not be bound (its dial failed): frames stay whole, and a
+        """It could not be bound (a dial failed): frames stay whole, and a
         bulk frame from the peer ends the stream."""
         with self._lock:
             if not self.bound:
                 self._break_locked(error)
 
     def close(self) -> None:
-        """The stream ended: end the socket (quietly) and free what it holds."""
+        """The stream ended: end the sockets (quietly) and free what they hold."""
         with self._lock:
             self._break_locked(ProtocolError(f"stream to {self.name} ended"))
-            sock, self._sock = self._sock, None
-        if sock is not None:
-            sock.close()
+            socks, self._socks = self._socks, []
+        for sock in socks:
+            if sock is not None:
+                sock.close()
 
 
 class Listener:
@@ -454,19 +541,23 @@ class Listener:
         sock.setblocking(False)
         try:
             caller = open_as_callee(sock, MAGIC, self._rank, self.where, self._token)
-            key = recv_exactly(sock, KEY_SIZE, int(HANDSHAKE_TIMEOUT * 1000))
-            channel = self._find(caller, key)
+            naming = recv_exactly(sock, KEY_SIZE + _NAMING.size, int(HANDSHAKE_TIMEOUT * 1000))
+            index, count = _NAMING.unpack_from(naming, KEY_SIZE)
+            channel = self._find(caller, bytes(naming[:KEY_SIZE]))
             sock.setblocking(True)
             if channel is None:
                 sock.sendall(REFUSED)
                 raise AuthenticationError(f"rank {caller} named no stream it has open here")
+            if not 0 <= index < count <= MAX_SOCKETS:
+                sock.sendall(REFUSED)
+                raise AuthenticationError(f"rank {caller} named socket {index} of {count}")
             sock.sendall(ACCEPTED)
         except (AuthenticationError, OSError, ConnectionError, struct.error) as exc:
             logs.event("bulk-refused", "bulk", "%s: bulk socket refused: %s", self._rank, exc)
             shut(sock)
             sock.close()
             return
-        if not channel.bind(sock):
+        if not channel.bind(sock, index, count):
             shut(sock)
             sock.close()
 
@@ -482,18 +573,20 @@ def dial(
     ranks: tuple[int, int],
     token: auth.Token | None,
     key: bytes,
+    index: int = 0,
+    count: int = 1,
     timeout: float = HANDSHAKE_TIMEOUT,
 ) -> socket.socket:
     """Dial a peer's bulk port, prove each other the token, name the stream
-    (``key``); the socket, bound to it on the other end. Raises
-    AuthenticationError or OSError."""
+    (``key``) and which of its ``count`` sockets this is; the socket, bound
+    to it on the other end. Raises AuthenticationError or OSError."""
     sock = socket.create_connection((host.strip("[]"), port), timeout=timeout)
     try:
         start = time.monotonic()
         open_as_caller(sock, MAGIC, ranks, where(host, port), token, timeout)
         sock.setblocking(True)
         sock.settimeout(max(0.1, timeout - (time.monotonic() - start)))
-        sock.sendall(key)
+        sock.sendall(key + _NAMING.pack(index, count))
         if sock.recv(1) != ACCEPTED:
             raise AuthenticationError(f"rank {ranks[1]}'s bulk port refused the stream")
         sock.settimeout(None)
@@ -503,4 +596,4 @@ def dial(
         raise
 
 
-__all__ = ["BULK_MIN", "KEY_METADATA", "Channel", "Listener", "dial", "new_key"]
+__all__ = ["BULK_MIN", "KEY_METADATA", "MAX_SOCKETS", "Channel", "Listener", "dial", "new_key"]

@@ -67,6 +67,11 @@ class RpcBackendOptions:
             more in one message) on a TCP socket beside it, sent from and received
             into the tensors' memory (env ``RRPC_BULK``; see ``rrpc/bulk.py``).
             Off with TLS: the socket is not encrypted.
+        bulk_sockets: how many TCP sockets a stream's caller opens for its bulk
+            bytes, each carrying an equal share of every large message (env
+            ``RRPC_BULK_SOCKETS``, 1 to 16; TensorPipe's ``mpt_uv`` has 16 lanes).
+            One TCP stream is slower than the link: between two network
+            namespaces here, two halved a 16 MiB echo.
         _transports / _channels: TensorPipe's names, for code written for it.
             ``_transports`` without ``"shm"`` turns the same-host lane off;
             ``_channels`` without ``"cma"`` turns the shared-memory path for large
@@ -104,6 +109,7 @@ class RpcBackendOptions:
     same_host_lane: bool = field(default_factory=lambda: _env_flag("RRPC_LANE", True))
     lane_spin: float = field(default_factory=lambda: _env_float("RRPC_LANE_SPIN", 200e-6))
     bulk_channel: bool = field(default_factory=lambda: _env_flag("RRPC_BULK", True))
+    bulk_sockets: int = field(default_factory=lambda: int(os.environ.get("RRPC_BULK_SOCKETS") or 2))
     peer_timeout: float = field(default_factory=lambda: _env_float("RRPC_PEER_TIMEOUT", 8.0))
     rref_delete_delay: float = field(default_factory=lambda: _env_float("RRPC_DELETE_DELAY", 5e-3))
     restricted: bool = field(default_factory=lambda: _env_flag("RRPC_RESTRICTED", False))
@@ -162,6 +168,8 @@ class RpcBackendOptions:
             raise ValueError(f"peer_timeout must be >= 1 second, got {self.peer_timeout}")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be a TCP port (0: off), got {self.metrics_port}")
+        if not 1 <= self.bulk_sockets <= 16:
+            raise ValueError(f"bulk_sockets must be in [1, 16], got {self.bulk_sockets}")
         if self.chunk_size < 4096:
             raise ValueError(f"chunk_size must be >= 4096 bytes, got {self.chunk_size}")
 

@@ -102,6 +102,7 @@ class Routes:
                     bulk_port=entry.bulk_port
                     if self._options.bulk_channel and self._credentials is None
                     else 0,
+                    bulk_sockets=self._options.bulk_sockets,
                 )
                 self._connections[peer.id] = connection
                 self._opened.append(connection)

@@ -27,9 +27,8 @@ Rules:
   collector can hang the interpreter's exit in gRPC's finalizer.
 - gRPC refuses a message larger than any rrpc sends (``packet_limit``) from
   its header, before it holds the bytes.
-- A stream may have a bulk socket beside it for its large tensor buffers
-  (``bulk.py``): its caller dials it, the key in the stream's metadata names
-  the stream, and either ending ends the other.
+- A stream may have bulk sockets beside it for its large tensor buffers
+  (``bulk.py``): its caller dials them, naming the stream by its metadata's key.
 """
 
 from __future__ import annotations
@@ -130,11 +129,12 @@ class Connection:
         auth_token: str | None = None,
         ranks: tuple[int, int] = (-1, -1),
         bulk_port: int = 0,
+        bulk_sockets: int = 1,
     ):
         """``auth_token``: prove it to the peer, and require its proof within
         ``peer_timeout`` seconds (``ranks``: this worker's and the peer's,
         which the proofs cover). ``bulk_port``: the peer's bulk port, dialed
-        when a large frame goes either way (0: none, every frame in the stream)."""
+        ``bulk_sockets`` times at the first large frame either way (0: none)."""
         self.peer_name = peer_name
         self.stream = StreamState()
         self._bulk: bulk.Channel | None = None
@@ -142,13 +142,15 @@ class Connection:
         if bulk_port:
             key = bulk.new_key()
             token = auth.Token(auth_token) if auth_token is not None else None
+            host = address.rsplit(":", 1)[0]  # dial(index, count) names the socket
             self._bulk = bulk.Channel(
                 peer_name,
                 f"rrpc-bulk-{{}}-{peer_name}",
                 max_message_size,
                 peer_timeout,
                 on_broken=self._bulk_broken,
-                dial=lambda: bulk.dial(address.rsplit(":", 1)[0], bulk_port, ranks, token, key),
+                dial=functools.partial(bulk.dial, host, bulk_port, ranks, token, key),
+                sockets=bulk_sockets,
             )
             metadata = [*metadata, (bulk.KEY_METADATA, key.hex())]
         self._outbox = Outbox(packet_size, batch_delay, batch_min_open, stream=self.stream)

@@ -46,14 +46,18 @@ def _tcp_pair() -> tuple[socket.socket, socket.socket]:
 
 
 class _Ends:
-    """Two bound channels; what each puts on its stream, and their breaks."""
+    """Two channels bound over ``count`` sockets; what each puts on its
+    stream, and their breaks."""
 
-    def __init__(self, max_message_size: int = 0, peer_timeout: float = 8.0):
+    def __init__(self, max_message_size: int = 0, peer_timeout: float = 8.0, count: int = 1):
         self.broken: list[BaseException] = []
         self.a = bulk.Channel("A", "test-a-{}", max_message_size, peer_timeout, self.broken.append)
         self.b = bulk.Channel("B", "test-b-{}", max_message_size, peer_timeout, self.broken.append)
-        self.socks = _tcp_pair()
-        assert self.a.bind(self.socks[0]) and self.b.bind(self.socks[1])
+        for index in range(count):
+            assert not self.a.bound and not self.b.bound
+            ours, theirs = _tcp_pair()
+            assert self.a.bind(ours, index, count) and self.b.bind(theirs, index, count)
+        assert self.a.bound and self.b.bound
         self.stream: list[list] = []  # the frames put on "the stream", in order
 
     def close(self) -> None:
@@ -79,8 +83,9 @@ def _random(size: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
 
 
-def test_large_buffers_cross_the_socket_exactly_and_the_frame_keeps_its_payload():
-    ends = _Ends()
+@pytest.mark.parametrize("count", [1, 3])
+def test_large_buffers_cross_the_socket_exactly_and_the_frame_keeps_its_payload(count):
+    ends = _Ends(count=count)
     try:
         big, small = _random(3 * MiB + 5, 1), _random(17, 2)
         assert ends.a.send(_frame(big, small), ends.stream.append) is True
@@ -196,8 +201,9 @@ def test_small_frames_stay_whole_in_the_stream():
         ends.close()
 
 
-def test_transfers_claimed_in_any_order_are_each_their_own():
-    ends = _Ends()
+@pytest.mark.parametrize("count", [1, 2])
+def test_transfers_claimed_in_any_order_are_each_their_own(count):
+    ends = _Ends(count=count)
     try:
         sent = [_random(MiB + i, i) for i in range(4)]
         for i, buffer in enumerate(sent):
@@ -206,6 +212,40 @@ def test_transfers_claimed_in_any_order_are_each_their_own():
         assert len(set(ids)) == 4
         for i in (2, 0, 3, 1):
             assert np.array_equal(ends.b.claim(ids[i], [len(sent[i])])[0], sent[i])
+    finally:
+        ends.close()
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 7])
+def test_a_transfers_stripes_are_its_bytes_cut_in_equal_parts(count):
+    buffers = [_random(size, size) for size in (0, 5, MiB + 3, 1, 0, 2 * MiB)]
+    buffers.append(np.arange(1000, dtype=np.float32))  # a view of 4-byte items: cut by bytes
+    parts = [bulk.stripe(buffers, index, count) for index in range(count)]
+    assert b"".join(bytes(view) for part in parts for view in part) == b"".join(
+        buffer.tobytes() for buffer in buffers
+    )
+    sizes = [sum(len(view) for view in part) for part in parts]
+    assert max(sizes) - min(sizes) <= 1
+    assert all(len(view) > 0 for part in parts for view in part)
+
+
+def test_many_transfers_over_several_sockets_stay_within_the_backlog_and_exact(monkeypatch):
+    """Readers that meet a transfer with no room stop until claims make room,
+    and the claims, in order, get every transfer whole (each socket carried
+    its part)."""
+    monkeypatch.setattr(bulk, "BACKLOG", 5 * MiB)
+    ends = _Ends(count=3)
+    try:
+        sent = [_random(2 * MiB + 7 * i, 10 + i) for i in range(12)]
+        for i, buffer in enumerate(sent):
+            assert ends.a.send(_frame(buffer, _random(i, i), request_id=i + 1), ends.stream.append)
+        for i, frame in enumerate(ends.stream):
+            with ends.b._lock:
+                held = ends.b._held
+            assert held <= bulk.BACKLOG
+            got = ends.b.claim(_envelope(frame[0]).bulk, [len(sent[i]), i])
+            assert np.array_equal(got[0], sent[i]) and np.array_equal(got[1], _random(i, i))
+        assert ends.broken == []
     finally:
         ends.close()
 
@@ -285,7 +325,7 @@ def test_a_claim_fails_when_no_byte_comes_for_peer_timeout():
 
 
 def test_a_dialer_whose_dial_failed_sends_whole_frames_and_refuses_bulk_frames():
-    def dial() -> socket.socket:
+    def dial(index: int, count: int) -> socket.socket:
         raise ConnectionRefusedError("no bulk port there")
 
     channel = bulk.Channel("peer", "test-{}", 0, 8.0, dial=dial)
@@ -342,26 +382,59 @@ def test_a_dialer_with_the_token_and_the_streams_key_is_bound(monkeypatch):
         listener.stop()
 
 
-@pytest.mark.parametrize("case", ["wrong token", "no token", "unknown stream", "wrong rank"])
+@pytest.mark.parametrize(
+    "case", ["wrong token", "no token", "unknown stream", "wrong rank", "socket past the count"]
+)
 def test_a_dialer_that_cannot_prove_itself_or_names_no_stream_is_refused(monkeypatch, case):
     monkeypatch.setattr(bulk, "FIND_WAIT", 0.1)
     key = bulk.new_key()
     served = bulk.Channel("rank 0", "test-served-{}", 0, 8.0)
     listener = _listener(auth.Token("s3cret"), {key: served})
-    token, name, ranks = auth.Token("s3cret"), key, (0, 1)
+    token, name, ranks, index = auth.Token("s3cret"), key, (0, 1), 0
     if case == "wrong token":
         token = auth.Token("guess")
     elif case == "no token":
         token = None
     elif case == "unknown stream":
         name = bulk.new_key()
-    else:
+    elif case == "wrong rank":
         ranks = (0, 2)  # the listener is rank 1
+    else:
+        index = 2
     try:
         with pytest.raises((AuthenticationError, OSError)):
-            bulk.dial("127.0.0.1", listener.port, ranks, token, name, timeout=5)
+            bulk.dial("127.0.0.1", listener.port, ranks, token, name, index, 2, timeout=5)
         assert not served.bound
     finally:
+        served.close()
+        listener.stop()
+
+
+def test_sockets_bind_one_by_one_and_a_failed_second_dial_leaves_frames_whole():
+    """Bound once every socket is; if a later dial fails, both ends carry
+    every frame whole, and the stream is not ended."""
+    key = bulk.new_key()
+    served_broken: list[BaseException] = []
+    served = bulk.Channel("rank 0", "test-served-{}", 0, 8.0, on_broken=served_broken.append)
+    listener = _listener(None, {key: served})
+
+    def dial(index: int, count: int) -> socket.socket:
+        if index == 1:
+            raise ConnectionRefusedError("the second socket was refused")
+        return bulk.dial("127.0.0.1", listener.port, (0, 1), None, key, index, count)
+
+    dialer = bulk.Channel("worker1", "test-dialer-{}", 0, 8.0, dial=dial, sockets=2)
+    try:
+        stream: list[list] = []
+        frame = _frame(_random(2 * MiB, 11))
+        assert dialer.send(frame, stream.append) is False  # whole; it dials
+        with served._lock:  # the first socket was bound, then closed by the dialer
+            assert served._lock.wait_for(lambda: served.error is not None, 10)
+        assert not served.bound and not dialer.bound and served_broken == []
+        assert dialer.send(frame, stream.append) is False and stream == [frame, frame]
+        assert served.send(frame, stream.append) is False
+    finally:
+        dialer.close()
         served.close()
         listener.stop()
 
@@ -397,10 +470,15 @@ def _echoes(rank, world_size):
     return results, _bulk_threads()
 
 
-def test_large_tensors_echo_exactly_over_the_bulk_socket():
-    results, threads = run_workers(_echoes, env=GRPC_ONLY)[0]
+@pytest.mark.parametrize("sockets", [None, "1", "3"])
+def test_large_tensors_echo_exactly_over_the_bulk_socket(sockets):
+    env = GRPC_ONLY if sockets is None else {**GRPC_ONLY, "RRPC_BULK_SOCKETS": sockets}
+    results, threads = run_workers(_echoes, env=env)[0]
     assert all(results), results
-    assert "rrpc-bulk-recv-worker1" in threads and "rrpc-bulk-send-worker1" in threads
+    # Two sockets by default (bulk_sockets), a reader and a writer each.
+    count = 2 if sockets is None else int(sockets)
+    assert threads.count("rrpc-bulk-recv-worker1") == count
+    assert threads.count("rrpc-bulk-send-worker1") == count
 
 
 def _recycled_echoes(rank, world_size):
@@ -458,7 +536,7 @@ def _break_mid_call(rank, world_size, release):
     pending = rrpc.rpc_async("worker1", _echo_after_release, args=(big,))
     agent = current_agent()
     connection = agent.routes._connections[agent.worker_info("worker1").id]
-    connection._bulk._sock.shutdown(socket.SHUT_RDWR)  # the socket breaks under the call
+    connection._bulk._socks[0].shutdown(socket.SHUT_RDWR)  # the socket breaks under the call
     try:
         pending.wait()
         error = None
@@ -505,3 +583,10 @@ def test_two_hosts_carry_large_tensors_over_the_bulk_socket():
     assert echoed == [True, True, True]
     assert "rrpc-bulk-recv-worker1" in threads
     assert crossed >= 6 * 4 * MiB  # three round trips of 4 MiB crossed the link
+
+
+def test_bulk_sockets_is_bounded():
+    assert rrpc.RpcBackendOptions(bulk_sockets=1).bulk_sockets == 1
+    for wrong in (0, bulk.MAX_SOCKETS + 1):
+        with pytest.raises(ValueError, match="bulk_sockets"):
+            rrpc.RpcBackendOptions(bulk_sockets=wrong)
