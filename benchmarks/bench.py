@@ -23,7 +23,8 @@ flight), `threads_64` (64 threads calling), `echo_*` (a tensor there and back,
 the same tensor every call, each result dropped), `echo_fresh_*` (a new tensor
 every call, the last 4 results kept alive: what a real loop does, and no
 buffer of one call can serve the next), `veth_noop_sync` and `veth_echo_*`
-(below), `remote_to_here`,
+(below), `remote_to_here`, `rref_arg` (a call that passes a user RRef to its
+owner, the `_call_method(method, rref, ...)` idiom of torch's examples),
 `dist_autograd` (a step of distributed autograd and DistributedOptimizer),
 `param_server` (two trainers, one server), `rl_steps` (examples/rl_agents: an
 agent and two observers playing CartPole, seeded, so both frameworks play the
@@ -320,6 +321,18 @@ def remote_to_here(fw: Framework, n: int) -> dict:
     return {"p50_us": percentile(times, 50) * 1e6}
 
 
+def rref_tag(rref: Any) -> int:
+    return len(rref.local_value())
+
+
+def rref_arg(fw: Framework, n: int) -> dict:
+    rref = fw.rpc.remote("server", make_small_tensor)
+    times = timed_calls(
+        lambda: fw.rpc.rpc_sync("server", rref_tag, args=(rref,)), n, warmup=max(20, n // 10)
+    )
+    return {"p50_us": percentile(times, 50) * 1e6}
+
+
 def dist_autograd(fw: Framework, n: int) -> dict:
     module = fw.rpc.remote("server", torch.nn.Linear, args=(512, 512))
     params = fw.rpc.rpc_sync("server", param_rrefs, args=(module,))
@@ -604,6 +617,13 @@ WORKLOADS = [
         500,
         200,
         (Row("p50_us", "remote().to_here() p50", "µs", False),),
+    ),
+    Workload(
+        "rref_arg",
+        rref_arg,
+        1000,
+        300,
+        (Row("p50_us", "rpc_sync(owner, f, (rref,)) p50", "µs", False),),
     ),
     Workload(
         "dist_autograd",

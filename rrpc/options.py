@@ -47,8 +47,9 @@ class RpcBackendOptions:
             on the stream (env ``RRPC_BATCH_DELAY``; 0 turns lingering off).
         batch_min_open: the open calls on one stream from which it lingers.
         rref_delete_delay: seconds a worker gathers the deletes of dropped user
-            RRefs before it sends them to their owner, as one message per owner
-            (env ``RRPC_DELETE_DELAY``; 0: each drop goes at once).
+            RRefs, and the accepts of user RRefs passed to it as their owner,
+            before it sends them, as one message per peer (env
+            ``RRPC_DELETE_DELAY``; 0: each goes at once).
         peer_timeout: seconds within which a peer that stopped answering (frozen,
             partitioned, its socket still open) fails every call pending on it
             (env ``RRPC_PEER_TIMEOUT``): a keepalive ping every half of it, and a

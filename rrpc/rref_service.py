@@ -20,14 +20,18 @@ Rules:
   holding a lock). One sender thread per run turns those drops into protocol
   events and sends every protocol message (FORK, ACCEPT, DELETE); replies come
   back on the agent's threads and feed the tables again.
-- DELETEs wait up to ``rref_delete_delay`` on the sender thread and go as one
-  message per owner, naming every fork let go meanwhile: a loop that drops an
-  RRef per iteration then costs the owner one message per few iterations, not
-  one each. Nothing else waits (a delete frees, it never unblocks a caller),
-  and a drain sends what is held at once. Drops made while DELETEs are held
-  do not wake the sender thread either: it takes them when the delay ends (a
-  loop that drops an RRef per iteration wakes it once per delay, not per
-  drop; each wake is a thread switch and a turn at the GIL the caller waits for).
+- DELETEs and ACCEPTs wait up to ``rref_delete_delay`` on the sender thread
+  and go as one message per peer and kind, naming every fork let go or
+  counted meanwhile: a loop that drops an RRef per iteration, or passes one
+  to its owner per call (each pass is an ACCEPT back to the caller), then
+  costs the peer one message per few iterations, not one each. Nothing else
+  waits (a delete frees and an accept ends a pending child: neither unblocks
+  a caller), and a drain sends what is held at once. Drops and ACCEPTs made
+  while messages are held do not wake the sender thread either: it takes
+  them when the delay ends (a loop that makes one per iteration wakes it once
+  per delay, not per iteration; each wake is a thread switch and a turn at
+  the GIL the caller waits for: an RRef passed to its owner cost ~290 µs a
+  call on one host with an ACCEPT sent each, ~100 µs without).
 - Protocol messages have no timeout: the protocol is only correct if each is
   answered. A dead peer fails them at once (the agent notices), and a graceful
   shutdown waits for them (``RRefService.drain``).
@@ -94,7 +98,8 @@ from rrpc.rref_values import Failed, evaluate_into, forward, result
 log = logging.getLogger("rrpc")
 
 _DROP, _SEND, _FLUSH = "drop", "send", "flush"
-_MAX_HELD_DELETES = 256  # held DELETEs go at once when one owner has this many
+_MAX_HELD = 256  # held DELETEs or ACCEPTs go at once when one peer has this many of a kind
+_HELD_KINDS = (RREF_DELETE, RREF_ACCEPT)  # held back (see the rules), many forks per message
 
 
 class RRefService:
@@ -121,18 +126,21 @@ class RRefService:
         # Local ids from 0, as torch's; a rank that rejoined a dynamic group starts
         # past its earlier incarnations' ids, which peers may still hold.
         self._ids = itertools.count(agent.incarnation << 32)
-        # DELETEs held back (see the rules): owner rank -> forks, and when the
-        # oldest of them was dropped. Only the sender thread changes these
-        # (``dropped`` reads whether any are held: the sender is lingering).
+        # DELETEs and ACCEPTs held back (see the rules): (kind, peer rank) ->
+        # what each names, and when the oldest was held. Only the sender
+        # thread changes these (``dropped`` and ``post`` read whether any are
+        # held: the sender is lingering).
         self.delete_delay = agent.options.rref_delete_delay
-        self._held_deletes: dict[int, list[tuple[RRefId, ForkId]]] = {}
+        self._held: dict[tuple[int, int], list[Any]] = {}
         self._held_since = 0.0
         self.events: queue.SimpleQueue = queue.SimpleQueue()
         # Forks dropped and not yet taken by the sender thread; it is woken
         # for them only when it is not lingering over held DELETEs (it takes
         # them when the linger ends). Appended from any thread: a deque's
         # append is atomic, and takes no lock a collection could interrupt.
+        # ACCEPTs posted are taken the same way (``post``).
         self._drops: collections.deque[ForkId] = collections.deque()
+        self._accepts: collections.deque[Send] = collections.deque()
         self.released: set[ForkId] = set()  # forks let go of by release_user_forks
         self.running = True
         self._sender = threading.Thread(
@@ -146,28 +154,36 @@ class RRefService:
     def dropped(self, fork_id: ForkId) -> None:
         """A user RRef is gone (its ``__del__``): only queued, for the sender thread."""
         self._drops.append(fork_id)
-        if not self._held_deletes:  # read after the append: see _run_sender
+        if not self._held:  # read after the append: see _run_sender
             self.events.put((_DROP, None))
 
     # -- Sending -----------------------------------------------------------------
     def post(self, sends: list[Send]) -> None:
-        if sends:
-            self.events.put((_SEND, sends))
+        """Have the sender thread send ``sends``; ACCEPTs alone are taken as
+        drops are (see the rules), without waking it while it lingers."""
+        if not sends:
+            return
+        if self.delete_delay and all(send.kind == RREF_ACCEPT for send in sends):
+            self._accepts.extend(sends)
+            if not self._held:  # read after the extend: see _run_sender
+                self.events.put((_DROP, None))
+            return
+        self.events.put((_SEND, sends))
 
     def _run_sender(self) -> None:
         while True:
-            if self._held_deletes:
-                # Lingering: drops made meanwhile wait for its end, unannounced.
+            if self._held:
+                # Lingering: drops and ACCEPTs made meanwhile wait for its end, unannounced.
                 linger = self._held_since + self.delete_delay - time.monotonic()
                 try:
                     event = self.events.get(timeout=max(0.0, linger))
                 except queue.Empty:
                     event = (_FLUSH, None)  # the linger is over: take the drops, send
             else:
-                # Nothing held (emptied before the deque is looked at), and
-                # ``dropped`` reads that after its append: a drop is either
-                # seen here or announced.
-                event = (_DROP, None) if self._drops else self.events.get()
+                # Nothing held (emptied before the deques are looked at), and
+                # ``dropped`` and ``post`` read that after their append: a drop
+                # or ACCEPT is either seen here or announced.
+                event = (_DROP, None) if self._drops or self._accepts else self.events.get()
             if event is None:
                 return
             what, item = event
@@ -178,15 +194,18 @@ class RRefService:
                     self._send_all(item)
                 else:  # _FLUSH: everything dropped or queued before it is sent
                     self._take_drops()
-                    self._send_deletes()
+                    self._send_held()
                     if item is not None:
                         item.set()
-                if self._held_deletes and not self.delete_delay:
-                    self._send_deletes()
+                if self._held and not self.delete_delay:
+                    self._send_held()
             except Exception:
                 log.exception("rrpc: RRef protocol event %s %s failed", what, item)
 
     def _take_drops(self) -> None:
+        """The drops and ACCEPTs queued without an event (see the rules)."""
+        while self._accepts:
+            self._send_all([self._accepts.popleft()])
         while self._drops:
             fork_id = self._drops.popleft()
             with self.lock:
@@ -196,27 +215,30 @@ class RRefService:
                 sends = self.users.dropped(fork_id)
             self._send_all(sends)
             if not self.delete_delay:  # switched off: a DELETE per drop, at once
-                self._send_deletes()
+                self._send_held()
 
-    def _send_deletes(self) -> None:
-        held, self._held_deletes = self._held_deletes, {}
-        for owner, forks in held.items():
-            self._send(Send(RREF_DELETE, owner, tuple(forks)))
+    def _send_held(self) -> None:
+        held, self._held = self._held, {}
+        for (kind, peer), named in held.items():
+            self._send(Send(kind, peer, tuple(named)))
 
     def _send_all(self, sends: list[Send]) -> None:
         for send in sends:
             if send.kind in self.in_flight:
                 with self.lock:
                     self.in_flight[send.kind] += 1
-            if send.kind != RREF_DELETE:
+            if send.kind not in _HELD_KINDS:
                 self._send(send)
                 continue
-            if not self._held_deletes:
+            if not self._held:
                 self._held_since = time.monotonic()
-            forks = self._held_deletes.setdefault(send.to, [])
-            forks.append(send.payload)
-            if len(forks) >= _MAX_HELD_DELETES:
-                self._send_deletes()
+            named = self._held.setdefault((send.kind, send.to), [])
+            if send.kind == RREF_DELETE:
+                named.append(send.payload)  # (rref id, fork id)
+            else:
+                named.extend(send.payload)  # (child id,)
+            if len(named) >= _MAX_HELD:
+                self._send_held()
 
     def _send(self, send: Send) -> None:
         """Send one protocol message; its answer (or failure) goes to ``_answered``."""
@@ -248,8 +270,8 @@ class RRefService:
             self._confirmed(send.payload[1], error)
             return
         with self.lock:
-            # A DELETE names several forks, each counted when it was queued.
-            self.in_flight[send.kind] -= len(send.payload) if send.kind == RREF_DELETE else 1
+            # A DELETE or ACCEPT names several forks, each counted when it was queued.
+            self.in_flight[send.kind] -= len(send.payload) if send.kind in _HELD_KINDS else 1
             self.changed.notify_all()
 
     def _confirmed(self, fork_id: ForkId, error: BaseException | None) -> list[Send]:
@@ -385,10 +407,19 @@ class RRefService:
             self.owners.fork_request(rref_id, fork_id)
 
     def serve_accept(self, payload: tuple, caller: WorkerInfo) -> None:
-        (child_id,) = payload
+        """ACCEPT of one or several children (held back by the sender: see the
+        rules); an unknown one is an error once the others are accepted."""
+        sends: list[Send] = []
+        unknown: ProtocolError | None = None
         with self.lock:
-            sends = self.users.child_accepted(child_id)
+            for child_id in payload:
+                try:
+                    sends += self.users.child_accepted(child_id)
+                except ProtocolError as exc:
+                    unknown = unknown or exc
         self.post(sends)
+        if unknown is not None:
+            raise unknown
 
     def serve_delete(self, payload: tuple, caller: WorkerInfo) -> None:
         released = []
