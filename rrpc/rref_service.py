@@ -14,7 +14,9 @@ Rules:
 - One ``RRefService`` per run, held by the agent (``agent.rrefs``). Its lock
   guards both tables; nothing is sent and no value is freed while holding it
   (a reply callback may run inline in ``agent.send``; a value's ``__del__`` may
-  do anything).
+  do anything). The messages a change of the tables calls for are queued for
+  the sender thread in the same hold (``post``), and count as pending until
+  it counts them in flight: a drain sees no gap between the two.
 - ``RRef.__del__`` only puts an event on a ``SimpleQueue`` (``dropped``: safe
   from any thread, even inside a garbage collection that interrupts code
   holding a lock). One sender thread per run turns those drops into protocol
@@ -141,6 +143,7 @@ class RRefService:
         # ACCEPTs posted are taken the same way (``post``).
         self._drops: collections.deque[ForkId] = collections.deque()
         self._accepts: collections.deque[Send] = collections.deque()
+        self._queued = 0  # sends posted, not yet counted in flight (under ``lock``: ``post``)
         self.released: set[ForkId] = set()  # forks let go of by release_user_forks
         self.running = True
         self._sender = threading.Thread(
@@ -160,9 +163,15 @@ class RRefService:
     # -- Sending -----------------------------------------------------------------
     def post(self, sends: list[Send]) -> None:
         """Have the sender thread send ``sends``; ACCEPTs alone are taken as
-        drops are (see the rules), without waking it while it lingers."""
+        drops are (see the rules), without waking it while it lingers.
+
+        Called with ``lock`` held, the same hold in which the tables made
+        them: they count as pending (``pending``) from then until the sender
+        counts them in flight, so a drain never finds nothing pending between
+        a table's change (a fork confirmed, its DELETE due) and its message."""
         if not sends:
             return
+        self._queued += len(sends)
         if self.delete_delay and all(send.kind == RREF_ACCEPT for send in sends):
             self._accepts.extend(sends)
             if not self._held:  # read after the extend: see _run_sender
@@ -191,7 +200,7 @@ class RRefService:
                 if what == _DROP:
                     self._take_drops()
                 elif what == _SEND:
-                    self._send_all(item)
+                    self._send_all(item, posted=True)
                 else:  # _FLUSH: everything dropped or queued before it is sent
                     self._take_drops()
                     self._send_held()
@@ -205,7 +214,7 @@ class RRefService:
     def _take_drops(self) -> None:
         """The drops and ACCEPTs queued without an event (see the rules)."""
         while self._accepts:
-            self._send_all([self._accepts.popleft()])
+            self._send_all([self._accepts.popleft()], posted=True)
         while self._drops:
             fork_id = self._drops.popleft()
             with self.lock:
@@ -222,11 +231,15 @@ class RRefService:
         for (kind, peer), named in held.items():
             self._send(Send(kind, peer, tuple(named)))
 
-    def _send_all(self, sends: list[Send]) -> None:
-        for send in sends:
-            if send.kind in self.in_flight:
-                with self.lock:
+    def _send_all(self, sends: list[Send], posted: bool = False) -> None:
+        """Send or hold ``sends``, counted in flight (``posted``: no longer queued)."""
+        with self.lock:
+            for send in sends:
+                if send.kind in self.in_flight:
                     self.in_flight[send.kind] += 1
+            if posted:
+                self._queued -= len(sends)
+        for send in sends:
             if send.kind not in _HELD_KINDS:
                 self._send(send)
                 continue
@@ -281,6 +294,7 @@ class RRefService:
             with self.lock:
                 waiting = self.confirmations.pop(fork_id, None)
                 sends = self.users.confirmed(fork_id, counted=error is None)
+                self.post(sends)
                 self.changed.notify_all()
         except ProtocolError:
             log.exception("rrpc: confirmation of fork %s", format_id(fork_id))
@@ -288,7 +302,6 @@ class RRefService:
         finally:
             if waiting is not None:
                 waiting.set_result(None)  # the message runs; a failed fork raises on use
-        self.post(sends)
         return sends
 
     # -- remote() confirmations --------------------------------------------------
@@ -299,7 +312,8 @@ class RRefService:
         error = outcome(future)[1]
         self._confirmed(fork_id, error)
         if error is not None and not isinstance(error, PeerUnavailableError):
-            self.post([Send(RREF_CREATE_FAILED, owner, (rref_id,))])
+            with self.lock:
+                self.post([Send(RREF_CREATE_FAILED, owner, (rref_id,))])
 
     # -- A user's side ----------------------------------------------------------
     def created(self, rref_id: RRefId, fork_id: ForkId, owner: int) -> None:
@@ -333,17 +347,15 @@ class RRefService:
     def undo_fork(self, rref_id: RRefId, fork_id: ForkId | None, child: ForkId) -> None:
         """The message a fork was pickled into is not sent after all."""
         released = None
-        sends: list[Send] = []
         try:
             with self.lock:
                 if fork_id is None:
                     released = self.owners.delete(rref_id, child)
                 else:
-                    sends = self.users.child_accepted(child)
+                    self.post(self.users.child_accepted(child))
         except ProtocolError:
             log.exception("rrpc: undoing fork %s of RRef %s", format_id(child), format_id(rref_id))
         del released
-        self.post(sends)
 
     def receive_owned(self, rref_id: RRefId, fork_id: ForkId, sender: WorkerInfo) -> Any:
         """An RRef this worker owns came back from ``sender``: the owner RRef
@@ -354,7 +366,7 @@ class RRefService:
             self.agent.worker_info(rref_id[0])
         with self.lock:
             holder, sends = self.owners.receive(rref_id, fork_id, sender.id)
-        self.post(sends)
+            self.post(sends)
         if holder._future is not None and not holder._future.done():
             # Its remote() has not finished here: the message that names it
             # runs after, as everything the sender sent before it did.
@@ -371,7 +383,7 @@ class RRefService:
             sends = self.users.received(rref_id, fork_id, owner_rank, sender.id)
             if sends:  # a FORK to the owner: the message runs once it is answered
                 confirmed = self.confirmations[fork_id] = torch.futures.Future()
-        self.post(sends)
+            self.post(sends)
         if confirmed is not None:
             codec.wait_for(confirmed)
 
@@ -417,7 +429,7 @@ class RRefService:
                     sends += self.users.child_accepted(child_id)
                 except ProtocolError as exc:
                     unknown = unknown or exc
-        self.post(sends)
+            self.post(sends)
         if unknown is not None:
             raise unknown
 
@@ -462,6 +474,9 @@ class RRefService:
             "pending confirmations": counts["num_pending_confirmations"],
             "pending forks": counts["num_pending_forks"],
             "pending children": counts["num_pending_children"],
+            # Made and not yet counted in flight by the sender thread (``post``),
+            # and drops it has not taken yet.
+            "protocol messages queued": self._queued + len(self._drops),
         }
         pending.update({f"{kind_name(k)} in flight": n for k, n in self.in_flight.items()})
         return {name: n for name, n in pending.items() if n}
@@ -476,7 +491,7 @@ class RRefService:
                 if fork.alive:
                     self.released.add(fork.fork_id)
                     sends += self.users.dropped(fork.fork_id)
-        self.post(sends)
+            self.post(sends)
 
     def drain(self, timeout: float) -> None:
         """Wait until every confirmation, child and protocol message is answered."""

@@ -696,20 +696,22 @@ def _pass_to_owner(rank, world_size, count):
     return values, seen
 
 
-@pytest.mark.parametrize(
-    "delay, expected", [(0.5, [20]), (0.0, [1] * 20)], ids=["lingering", "off"]
-)
-def test_rrefs_passed_to_their_owner_are_accepted_in_one_message_unless_switched_off(
-    delay, expected
-):
+@pytest.mark.parametrize("delay", [1.0, 0.0], ids=["lingering", "off"])
+def test_rrefs_passed_to_their_owner_are_accepted_in_few_messages_unless_switched_off(delay):
     """Each pass of a user RRef to its owner is an ACCEPT back to the user;
-    the owner's sender holds them as it holds DELETEs (one message, no wake-up
-    per call: a call that passes an RRef cost ~3x one that does not)."""
+    the owner's sender holds them as it holds DELETEs (a message per delay,
+    no wake-up per call: a call that passes an RRef cost ~3x one that does
+    not). Twenty calls take far less than the delay, unless the machine is
+    loaded: then a few messages."""
     options = rrpc.RpcBackendOptions(rref_delete_delay=delay)
     user, _ = run_workers(_pass_to_owner, world_size=2, args=(20,), backend_options=options)
     values, seen = user
     assert values == [7] * 20
-    assert seen == expected
+    assert sum(seen) == 20
+    if delay:
+        assert len(seen) <= 4, seen
+    else:
+        assert seen == [1] * 20
 
 
 def test_an_accept_naming_an_unknown_child_fails_after_accepting_the_others():
@@ -727,6 +729,34 @@ def test_an_accept_naming_an_unknown_child_fails_after_accepting_the_others():
     with pytest.raises(ProtocolError, match="ACCEPT of child"):
         RRefService.serve_accept(service, ((0, 2), (9, 9), (0, 3)), None)
     assert users.pending_children == {} and users.forks[(0, 1)].children == set()
+
+
+def test_a_delete_made_by_a_confirmation_is_pending_until_the_sender_counts_it():
+    """A drain waits while ``pending()`` names anything. A fork dropped before
+    its owner confirmed it owes a DELETE once the confirmation comes: from
+    that moment (the table's change) the message must count as pending, or a
+    drain that looks before the sender thread has counted it in flight ends
+    with the DELETE unsent (the owner keeps the value; seen once in CI)."""
+    from types import SimpleNamespace
+
+    from rrpc.messages import WorkerInfo
+    from rrpc.rref_service import RRefService
+
+    agent = SimpleNamespace(
+        info=WorkerInfo("worker0", 0),
+        incarnation=0,
+        options=SimpleNamespace(rref_delete_delay=0.005),
+        stopped=False,
+    )
+    service = RRefService(agent, lambda service, rref_id: None)
+    service.events.put(None)  # the sender thread ends: what is posted stays queued
+    service._sender.join(timeout=10)
+    service.created((1, 5), (0, 1), owner=1)  # remote() sent its CREATE
+    with service.lock:
+        assert service.users.dropped((0, 1)) == []  # unconfirmed: no DELETE yet
+    assert service.pending() == {"pending confirmations": 1}
+    service._confirmed((0, 1), None)  # the owner's answer: the DELETE is due
+    assert service.pending() == {"protocol messages queued": 1}
 
 
 # -- Shutdown ------------------------------------------------------------------
