@@ -90,13 +90,14 @@ from rrpc.lane_io import (
     shut,
 )
 from rrpc.messages import AuthenticationError, ProtocolError
+from rrpc.options import MAX_BULK_SOCKETS
 
 BULK_MIN = 1 << 20  # a frame whose stream buffers sum to this many bytes uses the bulk socket
 BACKLOG = 256 << 20  # bytes of transfers read and not yet claimed, at most (see the rules)
 MAGIC = b"rrpcblk2"
 KEY_METADATA = "rrpc-bulk-key"  # the stream's key, in hex, in its gRPC metadata
 KEY_SIZE = 16
-MAX_SOCKETS = 16  # bulk sockets of one stream, at most (TensorPipe's mpt_uv has 16 lanes)
+MAX_SOCKETS = MAX_BULK_SOCKETS  # bulk sockets of one stream, at most (``bulk_sockets``)
 _NAMING = struct.Struct("<BB")  # after the key: this socket's index, and the count
 FIND_WAIT = 5.0  # seconds a dialer's stream has to reach the callee (it dials at once)
 # One transfer on the socket: its id, its count of buffers, then each size;

@@ -8,6 +8,7 @@ from typing import Any
 
 DEFAULT_RPC_TIMEOUT = 60.0  # seconds, as torch.distributed.rpc
 UNSET_RPC_TIMEOUT = -1.0  # "use the default"; 0 means "no timeout"
+MAX_BULK_SOCKETS = 16  # bulk sockets of one stream, at most (TensorPipe's mpt_uv has 16 lanes)
 
 
 def _env_flag(name: str, default: bool) -> bool:
@@ -169,8 +170,10 @@ class RpcBackendOptions:
             raise ValueError(f"peer_timeout must be >= 1 second, got {self.peer_timeout}")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be a TCP port (0: off), got {self.metrics_port}")
-        if not 1 <= self.bulk_sockets <= 16:
-            raise ValueError(f"bulk_sockets must be in [1, 16], got {self.bulk_sockets}")
+        if not 1 <= self.bulk_sockets <= MAX_BULK_SOCKETS:
+            raise ValueError(
+                f"bulk_sockets must be in [1, {MAX_BULK_SOCKETS}], got {self.bulk_sockets}"
+            )
         if self.chunk_size < 4096:
             raise ValueError(f"chunk_size must be >= 4096 bytes, got {self.chunk_size}")
 

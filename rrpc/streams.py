@@ -205,8 +205,8 @@ class InFlight:
     def take(self, weight: int, ended: Callable[[], Any]) -> bool:
         """Take ``weight``, waiting for requests to be taken up if need be;
         False if the stream ``ended`` meanwhile (nobody is left to answer)."""
-        if self._admission is not None:
-            self._admission.wait_open()
+        if self._admission is not None and self._admission.wait_open():
+            self._admission = None  # waited once: not asked again, per request
         with self._lock:
             while self.count and self.count + weight > self.limit:
                 if ended():
@@ -252,10 +252,15 @@ class Admission:
         a later one could start first.)"""
         self._opened, self._open_wait = opened, wait
 
-    def wait_open(self) -> None:
+    def wait_open(self) -> bool:
+        """Wait for the gate; True once it need not be asked again (it was
+        opened, or waited for as long as ``gate`` said), False before ``gate``."""
         opened = self._opened
-        if opened is not None and not opened.is_set():
+        if opened is None:
+            return False
+        if not opened.is_set():
             opened.wait(self._open_wait)
+        return True
 
     def of(self, rank: int) -> InFlight:
         with self._lock:
