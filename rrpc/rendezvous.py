@@ -420,6 +420,12 @@ class Rendezvous:
                 if not absent:
                     return
                 if _confirmed_gone(gone, absent, deadline):
+                    # A rank that arrived while it was probed may have passed
+                    # the barrier and stopped already (unreachable, not dead):
+                    # who is still missing now is who died.
+                    absent = [rank for rank in missing() if rank in absent]
+                    if not absent:
+                        return
                     self._gone = set(absent)
                     logs.event(
                         "declared-dead",

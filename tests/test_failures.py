@@ -418,6 +418,54 @@ def test_a_dead_peer_is_logged_once_by_each_survivor_naming_it_and_its_address(p
         assert len(dead) == 1 and "[1]" in dead[0], results[rank]["log"]
 
 
+def _arrive_while_the_host_probes(index, processes, probing, arrived):
+    # Ranks 0 (the store's host) and 2 of a world of 3 (process index 1 is rank
+    # 2); rank 1 never comes. Rank 2 arrives at the shutdown barrier while rank 0
+    # probes the ranks it found missing, [1, 2], and then passes the barrier
+    # (rank 1 confirmed gone), as a peer that passes first and stops does. Its
+    # probe by rank 0 then fails as a dead rank's would.
+    from rrpc.rendezvous import Rendezvous
+
+    rank = 2 * index
+    captured = _Captured()
+    logging.getLogger("rrpc").addHandler(captured)
+    rendezvous = Rendezvous(rank, 3, "127.0.0.1", int(os.environ["MASTER_PORT"]), timeout=30)
+    if rank == 0:
+
+        def gone(ranks, limit):
+            probing.set()
+            assert arrived.wait(30)  # rank 2 passed the barrier meanwhile
+            return True  # and is unreachable now, as rank 1 is
+
+    else:
+        assert probing.wait(30)
+
+        def gone(ranks, limit):
+            arrived.set()
+            return ranks == [1]
+
+    rendezvous.barrier("shutdown", 30, gone=gone, suspects={1})
+    declared = sorted(rendezvous._gone)
+    rendezvous.close(timeout=0)
+    return declared, captured.lines
+
+
+def test_a_rank_that_arrives_while_it_is_probed_is_not_declared_dead():
+    # Seen once in CI: worker0 logged "ranks [1, 2] no longer answer: declared
+    # dead at barrier 'shutdown'", worker2 alive; worker2 had arrived and
+    # stopped while worker0 probed the ranks it had found missing a moment before.
+    seen = run_workers(
+        _arrive_while_the_host_probes,
+        args=(mp_context.Event(), mp_context.Event()),
+        init=False,
+        timeout=60,
+    )
+    for declared, lines in seen:
+        assert declared == [1]
+        dead = [line for line in lines if "declared dead" in line]
+        assert len(dead) == 1 and "ranks [1] no longer answer" in dead[0], lines
+
+
 def test_calls_to_a_dead_peer_fail_fast(peer_death):
     results, _ = peer_death
     for rank in (0, 2):
