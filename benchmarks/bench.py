@@ -683,21 +683,21 @@ _METRIC_HOOKS = ("answered", "undecodable", "ended", "late", "replied")
 
 
 class _NoMetrics:
-    """Stands for an agent's Metrics with the bookkeeping removed. Its rows are
-    dummies, for the calls that straddle a switch (counted by the real hooks)."""
+    """Stands for an agent's Metrics with the bookkeeping removed. Its row is a
+    dummy, for the calls that straddle a switch (counted by the real hooks)."""
 
     def __init__(self) -> None:
         from rrpc.metrics import Row
 
-        self._rows = Row(), Row()
+        self._row = Row()
 
     def sent(self, *args: Any) -> Any:
-        return self._rows
+        return self._row
 
     served = sent
 
-    def peer(self, name: str) -> Any:
-        return self._rows[0]
+    def late_row(self, name: str) -> Any:
+        return self._row
 
 
 def _no_hook(*args: Any, **kwargs: Any) -> None:

@@ -164,8 +164,10 @@ class Dispatcher:
         except BaseException as exc:
             self._reply_error(exc, peer, request_id, respond, row)
             return
-        metrics.replied(row, out.size, out.tensor_bytes, error=False)
-        respond(out.pieces)
+        try:  # counted before it leaves; should the counting fail, it leaves all the same
+            metrics.replied(row, out.size, out.tensor_bytes, error=False)
+        finally:
+            respond(out.pieces)
 
     def _reply_error(self, exc: BaseException, peer: WorkerInfo, request_id: int, respond, row):
         payload = messages.remote_exception_payload(exc, self._agent.info.name)
@@ -181,5 +183,7 @@ class Dispatcher:
                 logger=request_errors_log,
             )
         out = codec.encode(ERROR, request_id, payload, peer=peer)
-        metrics.replied(row, out.size, out.tensor_bytes, error=True)
-        respond(out.pieces)
+        try:
+            metrics.replied(row, out.size, out.tensor_bytes, error=True)
+        finally:
+            respond(out.pieces)
