@@ -146,7 +146,11 @@ def remote_exception_payload(exc: BaseException, where: str) -> tuple:
     except Exception:
         blob = None
     name = f"{type(exc).__module__}.{type(exc).__qualname__}"
-    return blob, name, str(exc), text, where
+    try:
+        message = str(exc)
+    except Exception:  # its text is not the caller's to lose: the reply goes all the same
+        message = "<exception str() failed>"  # traceback's wording, in ``text`` too
+    return blob, name, message, text, where
 
 
 def rebuild_remote_exception(

@@ -329,7 +329,7 @@ def test_a_user_functions_type_error_stays_a_type_error(callee_side):
     assert "_echo() takes 1 positional argument but 2 were given" in seen["message"]
 
 
-# -- The callee's bookkeeping fails after a request ran ----------------------------
+# -- The callee fails after a request ran (one world) ------------------------------
 
 
 def _miscount_this_reply(then_raise):
@@ -349,26 +349,55 @@ def _miscount_this_reply(then_raise):
     return "the value"
 
 
+_str_fails_here = []
+
+
+class _UnprintableError(Exception):
+    """Its text fails on the worker that raised it (not on the one it reaches)."""
+
+    def __str__(self):
+        if _str_fails_here:
+            raise RuntimeError("no text for this error here")
+        return "printable on the caller"
+
+
+def _raise_unprintable():
+    _str_fails_here.append(True)
+    raise _UnprintableError()
+
+
 def _replies_despite_failed_counting(rank, world_size):
     if rank != 0:
         return None
     return {
         "value": _outcome(rrpc.rpc_sync, "worker1", _miscount_this_reply, (False,), timeout=5),
         "error": _outcome(rrpc.rpc_sync, "worker1", _miscount_this_reply, (True,), timeout=5),
+        "unprintable": _outcome(rrpc.rpc_sync, "worker1", _raise_unprintable, timeout=5),
         "after": _outcome(rrpc.rpc_sync, "worker1", _whoami),
     }
 
 
-def test_a_reply_goes_even_if_the_callee_fails_to_count_it():
+@pytest.fixture(scope="module")
+def failed_after_run():
+    return run_workers(_replies_despite_failed_counting, 2, timeout=60)[0]
+
+
+def test_a_reply_goes_even_if_the_callee_fails_to_count_it(failed_after_run):
     # Seen in `bench.py --overhead`: the reply was dropped and its caller waited
     # for its timeout (60 s), the callee logging only "a request handler failed".
-    seen = run_workers(_replies_despite_failed_counting, 2, timeout=60)[0]
+    seen = failed_after_run
     assert seen["value"]["value"] == "the value", seen
     assert seen["error"]["type"] == "ValueError", seen
     assert seen["error"]["message"] == "the function's own error"
-    for call in ("value", "error"):
+    for call in ("value", "error", "unprintable"):
         assert seen[call]["elapsed"] < 4.0, seen  # not at the 5 s timeout
     assert seen["after"]["value"] == "worker1"
+
+
+def test_an_error_whose_text_fails_on_the_callee_still_reaches_the_caller(failed_after_run):
+    seen = failed_after_run["unprintable"]
+    assert seen["type"] == "_UnprintableError", seen
+    assert "<exception str() failed>" in seen["remote_traceback"]
 
 
 # -- A peer dies ---------------------------------------------------------------
