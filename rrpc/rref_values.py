@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from rrpc import agent as agent_module
-from rrpc import functions, restricted
+from rrpc import functions, messages, restricted
 from rrpc.dispatch import Deferred
 from rrpc.functions import async_result_error, is_async_execution
 from rrpc.futures import SyncReply, copy_error, on_done, outcome, wait_until
@@ -36,7 +36,13 @@ from rrpc.messages import RpcTimeoutError
 
 @restricted.allow
 class Failed:
-    """The value of an RRef whose function raised: ``error``, without its frames."""
+    """The value of an RRef whose function raised: ``error``, without its frames.
+
+    It travels (a fetch answered once the value is made) as an ERROR reply
+    carries an error: the exception if it pickles, and always its type and
+    text; the receiver rebuilds it as from an ERROR reply (``_arrived``), so
+    an error that does not pickle, or does not unpickle there, is the same
+    ``RemoteError`` whether the fetch came before the value was made or after."""
 
     __slots__ = ("error",)
 
@@ -44,7 +50,14 @@ class Failed:
         self.error = error
 
     def __reduce__(self) -> tuple:
-        return Failed, (self.error,)
+        where = agent_module.current_agent().info.name
+        return _arrived, (messages.remote_exception_payload(self.error, where),)
+
+
+@restricted.allow
+def _arrived(payload: tuple) -> Failed:
+    """A ``Failed`` value as it arrives: its error rebuilt as an ERROR reply's is."""
+    return Failed(messages.rebuild_remote_exception(payload, agent_module.current_agent().unpickle))
 
 
 def kept(error: BaseException) -> Failed:

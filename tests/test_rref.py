@@ -23,7 +23,7 @@ import torch
 import rrpc
 from harness import WorkerGroup, mp_context, run_workers
 from rrpc import agent as agent_hooks
-from rrpc.messages import RREF_ACCEPT, RREF_DELETE
+from rrpc.messages import RREF_ACCEPT, RREF_DELETE, RREF_FETCH
 
 WORKERS = ("worker0", "worker1", "worker2")
 ZERO_DEBUG_INFO = {
@@ -444,6 +444,63 @@ def _errors():
         ),
         "repr": repr(box),
     }
+
+
+class _TwoArgError(Exception):
+    """Pickles, and does not unpickle: its __init__ does not take its args back."""
+
+    def __init__(self, what, when):
+        super().__init__(f"{what} {when}")
+
+
+_fetched = threading.Event()
+
+
+def _raise_two_arg_error(when):
+    raise _TwoArgError("made", when)
+
+
+def _raise_two_arg_error_once_fetched():
+    assert _fetched.wait(30)
+    _fetched.clear()
+    _raise_two_arg_error("late")
+
+
+def _release_at_the_next_fetch():
+    """The next fetch finds the value not made yet (its reply waits for it), then
+    lets ``_raise_two_arg_error_once_fetched`` go on."""
+    handlers = agent_hooks.current_agent().handlers
+    real = handlers[RREF_FETCH]
+
+    def serve_fetch(payload, caller):
+        handlers[RREF_FETCH] = real
+        try:
+            return real(payload, caller)
+        finally:
+            _fetched.set()
+
+    handlers[RREF_FETCH] = serve_fetch
+
+
+def _errors_that_do_not_unpickle():
+    rrpc.rpc_sync("worker1", _release_at_the_next_fetch)
+    late = rrpc.remote("worker1", _raise_two_arg_error_once_fetched)
+    fetched_first = _outcome(late.to_here)
+    early = rrpc.remote("worker1", _raise_two_arg_error, args=("early",))
+    rrpc.rpc_sync("worker1", time.sleep, args=(0.1,))  # most likely made by now; either way
+    return fetched_first, _outcome(early.to_here)
+
+
+def test_an_error_behind_remote_that_does_not_unpickle_is_one_remote_error_however_fetched(
+    cluster, no_rrefs_left_behind
+):
+    # A fetch that came before the value was made got its error as a value, which
+    # failed to unpickle ("cannot unpickle a message ...: TypeError"); one that
+    # came after got the ERROR reply's RemoteError.
+    fetched_first, made_first = cluster.run(_errors_that_do_not_unpickle)
+    remote_side = "Original exception on remote side was test_rref._TwoArgError"
+    assert fetched_first == ("RemoteError", f"{remote_side}: made late")
+    assert made_first == ("RemoteError", f"{remote_side}: made early")
 
 
 def test_errors_of_the_function_behind_remote_surface_with_their_own_type(
