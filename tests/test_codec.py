@@ -180,6 +180,19 @@ def test_view_of_a_large_storage_sends_only_the_viewed_bytes_contiguous():
     assert torch.equal(received[1], torch.arange(10, 20, dtype=torch.float32))
 
 
+def test_views_of_one_storage_arrive_apart_and_one_tensor_twice_arrives_once():
+    # A known difference (README): torch's pickler sends a storage once per
+    # message, and views of it arrive sharing it; here each view travels with
+    # its own bytes. The same tensor twice is one object, as with pickle.
+    base = torch.arange(8.0)
+    received, _ = round_trip((base, base[2:], base))
+    whole, tail, again = received
+    assert torch.equal(whole, base) and torch.equal(tail, base[2:])
+    assert again is whole
+    whole += 100  # the view does not see it: its storage is its own
+    assert torch.equal(tail, torch.arange(2.0, 8.0))
+
+
 def test_received_tensor_is_writable_and_owns_its_memory():
     tensor = torch.arange(6.0)
     received, _ = round_trip(tensor)
