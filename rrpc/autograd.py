@@ -183,6 +183,8 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
             "incompatible function arguments: roots must be a list of tensors, "
             f"not {type(roots).__name__}"
         )
+    service = _service()
+    context = service.table.get(context_id)  # as torch: the context first, then the roots
     roots = list(roots)
     if not roots:
         raise RuntimeError("No tensors provided for gradient computation.")
@@ -198,8 +200,6 @@ def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool 
             )
         if root.grad_fn is None:
             raise RuntimeError(f"roots[{index}] does not have a valid gradient function")
-    service = _service()
-    context = service.table.get(context_id)
     with service.profiling.backward_pass(context_id):  # an event, when this thread profiles
         hops = _local_pass(
             service.agent, context, roots, [torch.ones_like(root) for root in roots], lead=True

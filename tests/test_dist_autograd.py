@@ -538,6 +538,10 @@ def _api_errors():
     errors["unknown context"] = error_of(lambda: rrpc.autograd.backward(12345, [(t * 2).sum()]))
     errors["gradients of unknown context"] = error_of(lambda: rrpc.autograd.get_gradients(12345))
     errors["released context"] = error_of(lambda: rrpc.autograd.get_gradients(context_id))
+    # As torch: the context is looked up before the roots are checked.
+    errors["unknown context, bad root"] = error_of(
+        lambda: rrpc.autograd.backward(12345, [torch.ones(())])
+    )
     return errors
 
 
@@ -548,7 +552,8 @@ def test_invalid_arguments_raise_torch_errors(cluster, no_state_left_behind):
     assert "requires_grad not set on" in errors["no grad"][1]
     assert "is not a scalar, all roots need to be scalar" in errors["not scalar"][1]
     assert "does not have a valid gradient function" in errors["leaf root"][1]
-    for case in ("unknown context", "gradients of unknown context", "released context"):
+    unknown = ("unknown context", "gradients of unknown context", "released context")
+    for case in (*unknown, "unknown context, bad root"):
         assert errors[case][0] == "RuntimeError"
         assert "Could not find autograd context with id" in errors[case][1]
 
