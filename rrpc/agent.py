@@ -479,7 +479,10 @@ class Agent:
         if self.suspects:
             self.suspects.discard(peer.id)
         latency = time.monotonic() - pending.started
-        metrics.answered(pending.row, size, tensor_bytes, latency, envelope.kind == ERROR)
+        try:
+            metrics.answered(pending.row, size, tensor_bytes, latency, envelope.kind == ERROR)
+        except Exception:  # bookkeeping: the call it counts ends all the same
+            log.exception("rrpc: counting the reply to %s failed", pending.what)
         hook = None
         context_id = envelope.autograd_context_id
         if context_id and self.autograd_hooks is not None:

@@ -366,10 +366,25 @@ def _raise_unprintable():
     raise _UnprintableError()
 
 
+def _miscount_the_next_reply_here():
+    """The same on the caller: counting the next reply that arrives here fails, once."""
+    from rrpc import metrics
+
+    real = metrics.answered
+
+    def broken(*args, **kwargs):
+        metrics.answered = real
+        raise AttributeError("the reply's row cannot count")
+
+    metrics.answered = broken
+
+
 def _replies_despite_failed_counting(rank, world_size):
     if rank != 0:
         return None
+    _miscount_the_next_reply_here()
     return {
+        "counted here": _outcome(rrpc.rpc_sync, "worker1", _echo, ("arrived",), timeout=5),
         "value": _outcome(rrpc.rpc_sync, "worker1", _miscount_this_reply, (False,), timeout=5),
         "error": _outcome(rrpc.rpc_sync, "worker1", _miscount_this_reply, (True,), timeout=5),
         "unprintable": _outcome(rrpc.rpc_sync, "worker1", _raise_unprintable, timeout=5),
@@ -389,7 +404,8 @@ def test_a_reply_goes_even_if_the_callee_fails_to_count_it(failed_after_run):
     assert seen["value"]["value"] == "the value", seen
     assert seen["error"]["type"] == "ValueError", seen
     assert seen["error"]["message"] == "the function's own error"
-    for call in ("value", "error", "unprintable"):
+    assert seen["counted here"]["value"] == "arrived", seen
+    for call in ("counted here", "value", "error", "unprintable"):
         assert seen[call]["elapsed"] < 4.0, seen  # not at the 5 s timeout
     assert seen["after"]["value"] == "worker1"
 
