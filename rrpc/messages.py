@@ -166,7 +166,10 @@ def rebuild_remote_exception(
             exc = unpickle(blob)  # restricted mode: only safe classes
         except Exception:
             exc = None
-    if not isinstance(exc, BaseException):
+    if not isinstance(exc, Exception):
+        # Not an error the caller's ``except Exception`` would catch (a
+        # callee's SystemExit, KeyboardInterrupt): a RuntimeError naming it, as
+        # torch's, so that no callee can end its caller's program.
         exc = RemoteError(name, message, text)
     if getattr(exc, "remote_origin", None) is not None:
         return exc  # passed on by the peer: it has its origin's traceback and note already

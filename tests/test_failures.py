@@ -361,6 +361,10 @@ class _UnprintableError(Exception):
         return "printable on the caller"
 
 
+def _raise_interrupt():
+    raise KeyboardInterrupt
+
+
 def _raise_unprintable():
     _str_fails_here.append(True)
     raise _UnprintableError()
@@ -388,6 +392,8 @@ def _replies_despite_failed_counting(rank, world_size):
         "value": _outcome(rrpc.rpc_sync, "worker1", _miscount_this_reply, (False,), timeout=5),
         "error": _outcome(rrpc.rpc_sync, "worker1", _miscount_this_reply, (True,), timeout=5),
         "unprintable": _outcome(rrpc.rpc_sync, "worker1", _raise_unprintable, timeout=5),
+        "exit": _outcome(rrpc.rpc_sync, "worker1", sys.exit, (3,)),
+        "interrupt": _outcome(lambda: rrpc.rpc_async("worker1", _raise_interrupt).wait()),
         "after": _outcome(rrpc.rpc_sync, "worker1", _whoami),
     }
 
@@ -408,6 +414,16 @@ def test_a_reply_goes_even_if_the_callee_fails_to_count_it(failed_after_run):
     for call in ("counted here", "value", "error", "unprintable"):
         assert seen[call]["elapsed"] < 4.0, seen  # not at the 5 s timeout
     assert seen["after"]["value"] == "worker1"
+
+
+def test_a_callees_system_exit_or_interrupt_arrives_as_a_runtime_error(failed_after_run):
+    # As torch (a RuntimeError naming it): re-raised as such, a callee's
+    # SystemExit would end a caller that catches only Exception.
+    expected = {"exit": "builtins.SystemExit: 3", "interrupt": "builtins.KeyboardInterrupt"}
+    for call, text in expected.items():
+        seen = failed_after_run[call]
+        assert seen["type"] == "RemoteError" and "RuntimeError" in seen["types"], seen
+        assert f"Original exception on remote side was {text}" in seen["message"], seen
 
 
 def test_an_error_whose_text_fails_on_the_callee_still_reaches_the_caller(failed_after_run):
