@@ -481,8 +481,10 @@ class Agent:
         latency = time.monotonic() - pending.started
         try:
             metrics.answered(pending.row, size, tensor_bytes, latency, envelope.kind == ERROR)
-        except Exception:  # bookkeeping: the call it counts ends all the same
-            log.exception("rrpc: counting the reply to %s failed", pending.what)
+        except Exception as exc:  # bookkeeping: the call it counts ends all the same
+            logs.event(
+                "count-failed", peer.name, "counting the reply to %s failed: %r", pending.what, exc
+            )
         hook = None
         context_id = envelope.autograd_context_id
         if context_id and self.autograd_hooks is not None:
