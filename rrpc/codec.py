@@ -5,30 +5,25 @@ restricted mode lets a pickle name is ``restricted.py``'s.
 
 Rules:
 
-- The payload is pickle protocol 5. Each CPU tensor in it is reduced to an
-  out-of-band ``PickleBuffer`` over the tensor's own memory, so its bytes are
-  never copied through pickle; the transport writes those buffers next to the
-  payload. A view of a larger storage sends only the bytes it views. A
-  sparse tensor (COO, CSR, CSC, BSR, BSC) travels as its parts (indices and
-  values, each such a buffer) with its size, layout and COO coalesced flag;
-  it is rebuilt with its invariants checked, and requires grad as it did.
-  Other layouts and quantized tensors go in band, through torch's pickling.
+- The payload is pickle protocol 5. Each tensor in it is taken apart by
+  ``tensors.py`` (``reduce_tensor``): a CPU tensor's bytes go out of band, as
+  a ``PickleBuffer`` over its own memory, never copied through pickle; the
+  transport writes those buffers next to the payload. When two tensors of a
+  message view one storage, the message is pickled a second time, with that
+  storage's bytes sent once (``tensors.Storages``): they arrive sharing it.
 - Code the receiver cannot import (lambdas, closures, functions of
   ``__main__`` when the receiver runs another script) is pickled by value with
   cloudpickle; everything else goes by reference through the C pickler, which
   is faster. A function of ``__main__`` goes by reference to a worker that
   runs the same script (``same_main``), as in torch: the callee runs its own
   copy, with its own globals.
-- A received tensor is built over the buffer the frame reader allocated for
-  it, with no copy; a buffer that came through shared memory (``shm.py``) is
-  a tensor over the peer's slot already.
 - ``encode`` refuses a message the reader would refuse (more than
   ``wire.MAX_BUFFERS`` buffers, more than ``max_message_size`` bytes), before
   anything reaches the stream; the error gives both numbers.
 - ``loads`` unpickles with the function the agent chose for its run:
   ``pickle.loads``, or ``restricted.loads`` in restricted mode. Nothing here
-  decides which. The rebuild functions below are registered with
-  ``restricted`` (they check what they build).
+  decides which. The tensor rebuild functions (``tensors.py``) are registered
+  with ``restricted`` (they check what they build).
 - The pickle hooks of upper layers (RRefs need to know where they travel,
   distributed autograd must see tensors that require grad) read
   ``current_peer()`` and the tensor hook that ``loads`` installs; a reducer
@@ -47,10 +42,9 @@ from collections.abc import Callable
 from typing import Any
 
 import cloudpickle
-import numpy as np
 import torch
 
-from rrpc import by_value, restricted
+from rrpc import by_value, restricted, tensors
 from rrpc._proto.rrpc_pb2 import Envelope
 from rrpc.messages import (
     REPLY,
@@ -62,43 +56,10 @@ from rrpc.wire import HEADER, MAX_BUFFERS, Frame, Outgoing, compact_first
 
 PICKLE_PROTOCOL = 5
 
-# Tensors travel with a small int for their dtype, not a pickled torch.dtype.
-DTYPES: list[torch.dtype] = [
-    torch.float32, torch.float64, torch.float16, torch.bfloat16,
-    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-    torch.complex64, torch.complex128, torch.complex32,
-    torch.uint16, torch.uint32, torch.uint64,
-    torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
-]  # fmt: skip
-# Newer dtypes, where this torch has them (appended: indices above stay stable).
-DTYPES += [
-    getattr(torch, name)
-    for name in ("float8_e8m0fnu", "float4_e2m1fn_x2", "bits8", "bits16", "bits1x8", "bits2x4",
-                 "bits4x2")
-    if hasattr(torch, name)
-]  # fmt: skip
-DTYPE_INDEX = {dtype: index for index, dtype in enumerate(DTYPES)}
-
-
-_NUMPY_TYPES = {
-    torch.float64: np.float64, torch.float32: np.float32, torch.float16: np.float16,
-    torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8,
-    torch.uint8: np.uint8, torch.bool: np.bool_, torch.complex64: np.complex64,
-    torch.complex128: np.complex128,
-}  # fmt: skip
-
-
-# Where numpy has the dtype, tensors are taken apart and rebuilt through numpy:
-# a numpy view or reshape costs a fraction of a microsecond, a torch one 1-3 µs.
-NUMPY_DTYPES = [_NUMPY_TYPES.get(dtype) for dtype in DTYPES]
-_HAS_NUMPY_DTYPE = set(_NUMPY_TYPES) & set(DTYPES)
-
 
 # -- Per-thread pickling state -------------------------------------------------
 class _CodecState(threading.local):
     peer: Any = None  # the worker this thread is encoding for / decoding from
-    tensor_hook: Callable[[torch.Tensor], torch.Tensor] | None = None
-    grad_tensors: list[torch.Tensor] | None = None
     undo: list[Callable[[], None]] | None = None  # see on_discard
     same_main: bool = False  # the peer runs this worker's __main__ script
     waits: list[Any] | None = None  # see wait_for
@@ -131,176 +92,6 @@ def wait_for(future: Any) -> None:
 
 
 # -- Encoding ------------------------------------------------------------------
-def _tensor_bytes(tensor: torch.Tensor) -> pickle.PickleBuffer:
-    """The bytes a tensor views, without a copy when it is contiguous.
-    (Each torch call costs a microsecond or two: skip those that change nothing.)"""
-    if tensor.requires_grad:
-        tensor = tensor.detach()
-    if tensor.is_conj() or tensor.is_neg():
-        tensor = tensor.resolve_conj().resolve_neg()
-    if not tensor.is_contiguous():
-        tensor = tensor.contiguous()
-    if tensor.dtype in _HAS_NUMPY_DTYPE:
-        return pickle.PickleBuffer(tensor.numpy())  # type: ignore[arg-type]
-    if tensor.dim() != 1:
-        tensor = tensor.reshape(-1)
-    if tensor.dtype is not torch.uint8:
-        tensor = tensor.view(torch.uint8)
-    return pickle.PickleBuffer(tensor.numpy())  # type: ignore[arg-type]
-
-
-@restricted.allow
-def _rebuild_tensor(buffer: Any, dtype_index: int, shape: tuple, requires_grad: bool):
-    if isinstance(buffer, np.ndarray):  # received on the stream: an array that owns its bytes
-        np_dtype = NUMPY_DTYPES[dtype_index]
-        if np_dtype is not None:
-            tensor = torch.from_numpy(buffer.view(np_dtype).reshape(shape))
-        else:
-            tensor = torch.from_numpy(buffer).view(DTYPES[dtype_index]).reshape(shape)
-    else:
-        if not isinstance(buffer, torch.Tensor):  # in band (e.g. pickled to a file)
-            buffer = torch.frombuffer(bytearray(memoryview(buffer)), dtype=torch.uint8)
-        # A shared-memory slot: torch views keep the uint8 tensor (whose
-        # release frees the slot) alive; numpy views would skip it for the map.
-        tensor = buffer.view(DTYPES[dtype_index]).reshape(shape)
-    return _with_grad(tensor, requires_grad)
-
-
-def _with_grad(tensor: torch.Tensor, requires_grad: bool) -> torch.Tensor:
-    hook = _state.tensor_hook
-    if requires_grad:
-        if hook is not None:
-            return hook(tensor)
-        tensor.requires_grad_(True)
-    return tensor
-
-
-@restricted.allow
-def _rebuild_strided(
-    buffer: Any, dtype_index: int, shape: tuple, strides: tuple, requires_grad: bool
-) -> torch.Tensor:
-    span = _rebuild_tensor(buffer, dtype_index, (-1,), False)
-    return _with_grad(span.as_strided(shape, strides), requires_grad)
-
-
-# A non-contiguous view keeps its strides when the storage it spans (from its
-# first element to its last) is small or at most this many times its own
-# bytes; otherwise only its elements travel, contiguous.
-_SPAN_FACTOR = 4
-_SMALL_SPAN = 64 << 10
-
-
-def _storage_span(tensor: torch.Tensor) -> torch.Tensor | None:
-    """The 1-D run of storage a non-contiguous view spans, when sending it
-    (and rebuilding the view's strides over it) is worth it; else None."""
-    if tensor.is_conj() or tensor.is_neg() or tensor.numel() == 0:
-        return None
-    last = sum(
-        (size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
-    )
-    span = last + 1
-    if span * tensor.element_size() > max(_SPAN_FACTOR * tensor.nbytes, _SMALL_SPAN):
-        return None
-    return tensor.detach().as_strided((span,), (1,))
-
-
-@restricted.allow
-def _rebuild_parameter(buffer: Any, dtype_index: int, shape: tuple, requires_grad: bool):
-    if requires_grad and _state.tensor_hook is not None:
-        # In a distributed autograd context a parameter is a tensor that
-        # requires grad like any other (as in torch): its gradient goes back.
-        return _rebuild_tensor(buffer, dtype_index, shape, True)
-    tensor = _rebuild_tensor(buffer, dtype_index, shape, False)
-    return torch.nn.Parameter(tensor, requires_grad=requires_grad)
-
-
-# Sparse layouts travel as their parts: each part a strided tensor (out of band, as above).
-_COMPRESSED_LAYOUTS = [torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc]
-
-
-@restricted.allow
-def _rebuild_sparse(
-    layout_index: int,
-    parts: tuple,
-    shape: tuple,
-    coalesced: bool,
-    requires_grad: bool,
-    parameter: bool,
-) -> torch.Tensor:
-    """A sparse tensor from its parts; ``layout_index`` -1 is COO, else an index
-    into ``_COMPRESSED_LAYOUTS``. The parts are checked (indices in bounds,
-    the coalesced flag true), as a corrupt sparse tensor crashes the process."""
-    if layout_index < 0:
-        indices, values = parts
-        tensor = torch.sparse_coo_tensor(
-            indices, values, shape, is_coalesced=coalesced, check_invariants=True
-        )
-    else:
-        compressed, plain, values = parts
-        tensor = torch.sparse_compressed_tensor(
-            compressed, plain, values, shape,
-            layout=_COMPRESSED_LAYOUTS[layout_index], check_invariants=True,
-        )  # fmt: skip
-    if parameter and not (requires_grad and _state.tensor_hook is not None):
-        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
-    return _with_grad(tensor, requires_grad)
-
-
-def _reduce_sparse(pickler: Any, obj: torch.Tensor, parameter: bool) -> Any:
-    layout = obj.layout
-    if layout is torch.sparse_coo:
-        layout_index = -1
-    elif layout in _COMPRESSED_LAYOUTS:
-        layout_index = _COMPRESSED_LAYOUTS.index(layout)
-    else:
-        return NotImplemented  # torch's own pickling, in band
-    if not obj.is_cpu:
-        obj = obj.cpu()
-    requires_grad = obj.requires_grad
-    if requires_grad and pickler.grad_tensors is not None:
-        pickler.grad_tensors.append(obj)  # the parts below do not require grad
-    plain = obj.detach()
-    coalesced = False
-    if layout_index < 0:
-        parts: tuple = (plain._indices(), plain._values())
-        coalesced = plain.is_coalesced()
-    elif layout in (torch.sparse_csr, torch.sparse_bsr):
-        parts = (plain.crow_indices(), plain.col_indices(), plain.values())
-    else:
-        parts = (plain.ccol_indices(), plain.row_indices(), plain.values())
-    shape = tuple(obj.shape)
-    return _rebuild_sparse, (layout_index, parts, shape, coalesced, requires_grad, parameter)
-
-
-def _reduce_tensor(pickler: Any, obj: Any) -> Any:
-    kind = type(obj)
-    if kind is not torch.Tensor and kind is not torch.nn.Parameter:
-        return NotImplemented
-    if obj.layout != torch.strided:
-        return _reduce_sparse(pickler, obj, kind is torch.nn.Parameter)
-    dtype_index = DTYPE_INDEX.get(obj.dtype)
-    if dtype_index is None or obj.is_quantized:
-        return NotImplemented  # torch's own pickling, in band
-    if not obj.is_cpu:
-        obj = obj.cpu()
-    requires_grad = obj.requires_grad
-    if requires_grad and pickler.grad_tensors is not None:
-        pickler.grad_tensors.append(obj)
-    if kind is torch.Tensor and not obj.is_contiguous():
-        span = _storage_span(obj)
-        if span is not None:  # as torch: a view arrives a view, with its strides
-            shape, strides = tuple(obj.shape), obj.stride()
-            return _rebuild_strided, (
-                _tensor_bytes(span),
-                dtype_index,
-                shape,
-                strides,
-                requires_grad,
-            )
-    rebuild = _rebuild_parameter if kind is torch.nn.Parameter else _rebuild_tensor
-    return rebuild, (_tensor_bytes(obj), dtype_index, tuple(obj.shape), requires_grad)
-
-
 class _NeedsCloudpickle(Exception):
     pass
 
@@ -345,6 +136,7 @@ _BY_NAME = (types.FunctionType, types.BuiltinFunctionType, type, types.ModuleTyp
 
 class _FastPickler(pickle.Pickler):
     grad_tensors: list[torch.Tensor] | None = None
+    storages: tensors.Storages | None = None
     # Whether this dump reduced an object (its memo may hold the only
     # reference to what the reduction made): see ``_clear_memo``.
     reduced = False
@@ -355,10 +147,10 @@ class _FastPickler(pickle.Pickler):
                 raise _NeedsCloudpickle
             return NotImplemented
         self.reduced = True
-        return _reduce_tensor(self, obj)
+        return tensors.reduce_tensor(self, obj)
 
 
-def _clear_memo(pickler: _FastPickler) -> None:
+def _clear_memo(pickler: Any) -> None:
     """Empty a reused pickler's memo with nothing freed inside ``clear_memo``:
     CPython 3.11's frees the entries one by one and empties its table (which
     the collector walks) only at the end, and freeing a tensor releases the
@@ -367,7 +159,7 @@ def _clear_memo(pickler: _FastPickler) -> None:
     what a reduction made (a sparse tensor's parts): after a dump that reduced
     anything, a copy holds them while the memo is cleared, and they are freed
     with it, a dict the collector stops tracking as it dies."""
-    if pickler.reduced:
+    if getattr(pickler, "reduced", True):
         pickler.reduced = False
         held = pickler.memo.copy()
         pickler.clear_memo()
@@ -381,9 +173,10 @@ by_value.remember_submodules()  # cloudpickle's slow lookup, once per function's
 
 class _CodePickler(cloudpickle.Pickler):
     grad_tensors: list[torch.Tensor] | None = None
+    storages: tensors.Storages | None = None
 
     def reducer_override(self, obj: Any) -> Any:
-        reduced = _reduce_tensor(self, obj)
+        reduced = tensors.reduce_tensor(self, obj)
         return super().reducer_override(obj) if reduced is NotImplemented else reduced
 
 
@@ -412,17 +205,35 @@ _RENEW_AFTER = 16 << 10
 def _dump_with(pickler: Any, out: io.BytesIO, buffers: list, obj: Any) -> tuple:
     grad_tensors: list[torch.Tensor] = []
     pickler.grad_tensors = grad_tensors
+    pickler.storages = tensors.Storages()
     previous_undo, _state.undo = _state.undo, []
     try:
         pickler.dump(obj)
+        spans = pickler.storages.shared()
+        if spans:  # tensors that view one storage: again, with its bytes sent once
+            _undo()
+            out.seek(0)
+            out.truncate()
+            buffers.clear()
+            grad_tensors.clear()
+            _clear_memo(pickler)
+            pickler.storages = tensors.Storages(spans)
+            pickler.dump(obj)
     except BaseException:  # this attempt's output is thrown away (retry or failure)
-        for undo in reversed(_state.undo):
-            undo()
+        _undo()
         raise
     finally:
         _state.undo = previous_undo
-        pickler.grad_tensors = None  # a reused pickler must not keep the tensors alive
+        # A reused pickler must not keep the tensors alive.
+        pickler.grad_tensors = pickler.storages = None
     return out.getvalue(), list(buffers), grad_tensors
+
+
+def _undo() -> None:
+    """Undo the side effects of a pickling thrown away (``on_discard``)."""
+    undo, _state.undo = _state.undo, []
+    for step in reversed(undo or ()):
+        step()
 
 
 def dumps(
@@ -553,9 +364,9 @@ def loads_waiting(
     unpickle: Unpickle = pickle.loads,
 ) -> tuple[Any, list[Any]]:
     """``loads``, and the futures the message must wait for before it runs (``wait_for``)."""
-    previous = _state.peer, _state.tensor_hook, _state.waits
+    previous = _state.peer, tensors.receiving.hook, _state.waits
     waits: list[Any] = []
-    _state.peer, _state.tensor_hook, _state.waits = peer, tensor_hook, waits
+    _state.peer, tensors.receiving.hook, _state.waits = peer, tensor_hook, waits
     try:
         unpickle = restricted.guarded(unpickle, frame.payload)
         return unpickle(frame.payload, buffers=frame.buffers), waits
@@ -568,6 +379,6 @@ def loads_waiting(
             )
         raise SerializationError(f"cannot unpickle a message from {peer}: {exc!r}{hint}") from exc
     finally:
-        _state.peer, _state.tensor_hook, _state.waits = previous
+        _state.peer, tensors.receiving.hook, _state.waits = previous
         frame.buffers = []  # the tensors hold them now: freed with the last of them
         frame.consumed()

@@ -14,7 +14,7 @@ Registration, not reach-up: the module that owns a thing puts it in a table
 when it is imported, so this one names none of them.
 
 - ``allow(obj)``: a global a pickle may name (rebuild functions, safe
-  classes): codec's tensor rebuilders, RRef's ``_rebuild``, RemoteModule's.
+  classes): the tensor rebuilders (``tensors.py``), RRef's ``_rebuild``, RemoteModule's.
 - ``allow_call(fn)``: an rrpc-internal function that rrpc itself names in
   CALL / ``remote()`` messages (RRef proxies, the distributed optimizer,
   RemoteModule, the liveness probe); a pickle may name it too. Each checks
@@ -28,7 +28,7 @@ refusing every global but these, before it is imported or looked up, leaves a
 peer nothing to run but safe constructors, rrpc's rebuild functions and what
 the worker exposed. Decisions:
 
-- Tensors: only rrpc's own rebuild functions (``codec._rebuild_*``), which
+- Tensors: only rrpc's own rebuild functions (``tensors._rebuild_*``), which
   check what they build (``reshape``/``as_strided`` are bounds-checked by
   torch, sparse invariants are checked). Torch's own reducers are refused:
   ``torch._utils._rebuild_*`` take storages that torch pickles through

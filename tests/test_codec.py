@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 
-from rrpc import codec, restricted, wire
+from rrpc import codec, restricted, tensors, wire
 from rrpc._proto.rrpc_pb2 import Envelope, SharedBuffer
 from rrpc.messages import CALL, REPLY, MessageTooLargeError, ProtocolError, SerializationError
 from rrpc.wire import FrameReader
@@ -180,17 +180,130 @@ def test_view_of_a_large_storage_sends_only_the_viewed_bytes_contiguous():
     assert torch.equal(received[1], torch.arange(10, 20, dtype=torch.float32))
 
 
-def test_views_of_one_storage_arrive_apart_and_one_tensor_twice_arrives_once():
-    # A known difference (README): torch's pickler sends a storage once per
-    # message, and views of it arrive sharing it; here each view travels with
-    # its own bytes. The same tensor twice is one object, as with pickle.
+def _storage(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("mode", ["pickle", "restricted"])
+def test_views_of_one_storage_arrive_sharing_one_storage_sent_once(mode):
+    # As torch: a storage travels once per message, and the views of it
+    # arrive over one storage; here only the bytes they view, once.
     base = torch.arange(8.0)
-    received, _ = round_trip((base, base[2:], base))
-    whole, tail, again = received
+    out = codec.encode(CALL, 7, (base, base[2:], base))
+    assert [len(piece) for piece in out.pieces[1:]] == [32]
+    (frame,) = FrameReader().feed(b"".join(bytes(piece) for piece in out.pieces))
+    unpickle = restricted.loads if mode == "restricted" else pickle.loads
+    whole, tail, again = codec.loads(frame, unpickle=unpickle)
     assert torch.equal(whole, base) and torch.equal(tail, base[2:])
     assert again is whole
-    whole += 100  # the view does not see it: its storage is its own
-    assert torch.equal(tail, torch.arange(2.0, 8.0))
+    whole += 100  # the view sees it, as in torch
+    assert torch.equal(tail, torch.arange(102.0, 108.0))
+
+
+def test_views_of_every_shape_dtype_and_stride_over_one_storage_keep_them_and_share_it():
+    matrix = torch.arange(24.0).view(4, 6)
+    views = (matrix[1], matrix[:, 2], matrix.T, matrix.view(torch.int32), matrix[2:, 3:],
+             matrix.view(torch.float64)[1:], matrix.view(torch.uint8).view(-1)[5:9])  # fmt: skip
+    received, out = round_trip(views, packet_size=13)
+    assert len(out.pieces) == 2  # one span: the 96 bytes of the storage
+    assert len(out.pieces[1]) == 96
+    for got, sent in zip(received, views, strict=True):
+        assert got.dtype == sent.dtype and got.stride() == sent.stride()
+        assert same_bytes(got, sent)
+    assert len({_storage(got) for got in received}) == 1
+
+
+def test_a_tensor_and_a_view_that_starts_unaligned_share_it():
+    # A span starts 16-aligned in its storage, so that every dtype's view lines up.
+    storage = torch.arange(40, dtype=torch.uint8)
+    views = (storage[19:23], storage[24:32].view(torch.float64), storage[35:37])
+    received, out = round_trip(views)
+    assert len(out.pieces[1]) == 37 - 16  # from byte 16 (19, aligned) to 37
+    for got, sent in zip(received, views, strict=True):
+        assert same_bytes(got, sent) and got.dtype == sent.dtype
+    assert len({_storage(got) for got in received}) == 1
+
+
+def test_parameters_over_one_flat_buffer_arrive_as_parameters_over_one_buffer():
+    flat = torch.arange(10.0)
+    weight = torch.nn.Parameter(flat[:6].view(2, 3))
+    bias = torch.nn.Parameter(flat[6:], requires_grad=False)
+    received, out = round_trip([weight, bias])
+    assert [type(t) for t in received] == [torch.nn.Parameter, torch.nn.Parameter]
+    assert received[0].requires_grad and not received[1].requires_grad
+    assert torch.equal(received[0], weight) and torch.equal(received[1], bias)
+    assert _storage(received[0]) == _storage(received[1])
+    assert [t is weight for t in out.grad_tensors] == [True]  # once, not once per pickling
+
+
+@pytest.mark.parametrize("size", [2048, 1_000_000])  # 8 KiB, and 4 MB
+def test_small_parts_of_a_large_storage_travel_apart_as_torch_copies_them(size):
+    # torch copies a tensor that views less than half of a storage of 8 KiB
+    # or more before it sends it: it shares nothing. Sharing here would send
+    # the bytes between them; each sends its own.
+    big = torch.arange(size, dtype=torch.float32)
+    views = (big[:10], big[-10:], big[: size // 2 - 1], big[size // 2 + 1 :])
+    received, out = round_trip(views)
+    assert [len(piece) for piece in out.pieces[1:]] == [40, 40, 2 * size - 4, 2 * size - 4]
+    for got, sent in zip(received, views, strict=True):
+        assert torch.equal(got, sent)
+    assert len({_storage(got) for got in received}) == 4
+    # More than half of it: shared, as in torch.
+    received, out = round_trip((big[: size // 2 + 1], big[size // 2 - 1 :]))
+    assert [len(piece) for piece in out.pieces[1:]] == [4 * size]
+    assert _storage(received[0]) == _storage(received[1])
+
+
+class _Counted:
+    """Counts its picklings that were sent: the undo runs for one thrown away."""
+
+    count = 0
+
+    def __reduce__(self):
+        _Counted.count += 1
+        codec.on_discard(self._undo)
+        return _Counted, ()
+
+    @staticmethod
+    def _undo():
+        _Counted.count -= 1
+
+
+def test_a_message_pickled_again_for_its_shared_storage_keeps_one_pickling_s_side_effects():
+    base = torch.arange(4.0)
+    _Counted.count = 0
+    round_trip((_Counted(), base, base[1:]))
+    assert _Counted.count == 1
+
+
+class _ViewOutsideItsSpan:
+    """Pickles as a view that reaches past the end of its shared span."""
+
+    def __init__(self, offset: int, shape: tuple, strides: tuple):
+        self.args = offset, shape, strides
+
+    def __reduce__(self):
+        offset, shape, strides = self.args
+        span = tensors._Span(torch.zeros(16, dtype=torch.uint8), 0)
+        return tensors._rebuild_view, (span, offset, 0, shape, strides, False, False)
+
+
+@pytest.mark.parametrize(
+    "offset, shape, strides, match",
+    [
+        (8, (3,), (1,), "outside its span"),  # 12 bytes at 8 of 16
+        (0, (2, 2), (3, 1), "outside its span"),  # the last element ends at byte 20
+        (-4, (1,), (1,), "outside its span"),
+        (2, (1,), (1,), "outside its span"),  # a float32 at byte 2: unaligned
+        (0, (2,), (-1,), "cannot be rebuilt"),
+        (0, (2, 2), (1,), "cannot be rebuilt"),
+    ],
+)
+def test_a_view_outside_its_span_is_rejected_not_built(offset, shape, strides, match):
+    out = codec.encode(CALL, 1, _ViewOutsideItsSpan(offset, shape, strides))
+    (frame,) = FrameReader().feed(b"".join(bytes(piece) for piece in out.pieces))
+    with pytest.raises(SerializationError, match=match):
+        codec.loads(frame, peer="worker3", unpickle=restricted.loads)
 
 
 def test_received_tensor_is_writable_and_owns_its_memory():
@@ -335,9 +448,9 @@ def test_reader_counts_shared_memory_buffers_against_max_message_size():
 
 
 def test_a_message_of_more_tensors_than_a_frame_may_carry_is_refused_by_its_sender():
-    tensors = torch.zeros(wire.MAX_BUFFERS + 1).split(1)  # distinct tensors, one buffer each
+    apart = [torch.zeros(1) for _ in range(wire.MAX_BUFFERS + 1)]  # a buffer each
     with pytest.raises(MessageTooLargeError) as error:
-        codec.encode(CALL, 1, (len, (tensors,), {}), peer="worker1")
+        codec.encode(CALL, 1, (len, (apart,), {}), peer="worker1")
     assert f"{wire.MAX_BUFFERS + 1} tensor buffers" in str(error.value)
     assert f"more than the {wire.MAX_BUFFERS}" in str(error.value)
     assert "worker1" in str(error.value)
@@ -543,7 +656,7 @@ class _CorruptSparse:
 
     def __reduce__(self):
         indices, values = torch.tensor([[0, 7]]), torch.tensor([1.0, 2.0])
-        return codec._rebuild_sparse, (-1, (indices, values), (3,), False, False, False)
+        return tensors._rebuild_sparse, (-1, (indices, values), (3,), False, False, False)
 
 
 def test_sparse_tensor_with_out_of_bounds_indices_is_rejected_not_built():

@@ -291,3 +291,50 @@ def test_distributed_optimizer_defaults_step_as_on_torch():
     0.001): a step with the defaults moves the weight as far as torch's does."""
     results = _same_on_both(_steps_with_default_arguments)
     assert not torch.allclose(torch.tensor(results[0]["SGD"]), _owned_weight())
+
+
+# -- 8. Views of one storage in one message ------------------------------------
+
+
+def _sharing(tensors: tuple) -> list:
+    """Which of ``tensors`` (views of one storage) see an in-place change to the first."""
+    before = [t.clone() for t in tensors]
+    tensors[0].add_(1000)
+    return [not torch.equal(t, b) for t, b in zip(tensors, before, strict=True)]
+
+
+def _views(size: int) -> tuple:
+    base = torch.arange(float(size))
+    return base, base[2:], base.view(-1, 2).T, base[size // 2 :].view(torch.int32)
+
+
+def _received_views(*views: torch.Tensor) -> list:
+    return [[t.tolist() for t in views], _sharing(views)]
+
+
+def _views_of_one_storage(rank, world_size, framework):
+    api = _api(framework)
+    _init(api, rank, world_size)
+    rpc = api.rpc
+    result = None
+    if rank == 0:
+        result = []
+        for size in (8, 1 << 17):  # the larger one: 512 KiB, through shared memory on rrpc
+            sent = _views(size)
+            arrived = rpc.rpc_sync("worker1", _received_views, args=sent)
+            returned = rpc.rpc_sync("worker1", _views, args=(size,))
+            result.append((arrived[1], _sharing(returned), arrived[0][1][:3]))
+    rpc.shutdown()
+    return result
+
+
+@pytest.mark.timeout(240)
+def test_views_of_one_storage_arrive_sharing_it_as_on_torch():
+    """A message's tensors that view one storage arrive over one storage, both
+    ways: an in-place change to one shows in the others, as in torch; but for
+    a tensor that views half of a large storage or less, which torch copies."""
+    results = _same_on_both(_views_of_one_storage)
+    assert results[0] == [
+        ([True] * 4, [True] * 4, [2.0, 3.0, 4.0]),
+        ([True, True, True, False], [True, True, True, False], [2.0, 3.0, 4.0]),
+    ]
