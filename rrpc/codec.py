@@ -205,11 +205,10 @@ _RENEW_AFTER = 16 << 10
 def _dump_with(pickler: Any, out: io.BytesIO, buffers: list, obj: Any) -> tuple:
     grad_tensors: list[torch.Tensor] = []
     pickler.grad_tensors = grad_tensors
-    pickler.storages = tensors.Storages()
     previous_undo, _state.undo = _state.undo, []
     try:
         pickler.dump(obj)
-        spans = pickler.storages.shared()
+        spans = pickler.storages.shared() if pickler.storages is not None else None
         if spans:  # tensors that view one storage: again, with its bytes sent once
             _undo()
             out.seek(0)

@@ -235,8 +235,11 @@ def reduce_tensor(pickler: Any, obj: Any) -> Any:
         return NotImplemented  # torch's own pickling, in band
     if not obj.is_cpu:
         obj = obj.cpu()
-    elif pickler.storages is not None and obj.numel():
-        span = pickler.storages.note(obj)
+    elif obj.numel():
+        storages = pickler.storages
+        if storages is None:  # the message's first tensor
+            storages = pickler.storages = Storages()
+        span = storages.note(obj)
         if span is not None:  # a second pickling: this storage's span goes once
             return _reduce_view(pickler, obj, span, dtype_index)
     requires_grad = obj.requires_grad
@@ -279,7 +282,8 @@ class _Span:
 
 
 class Storages:
-    """The storages one message's tensors view, as it is pickled.
+    """The storages one message's tensors view, as it is pickled (made at
+    its first tensor: a message without one costs nothing here).
 
     First pickling: ``note`` records each dense CPU tensor under its
     storage, and ``shared()`` then gives the spans worth sending once (two
