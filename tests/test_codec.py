@@ -200,6 +200,14 @@ def test_views_of_one_storage_arrive_sharing_one_storage_sent_once(mode):
     assert torch.equal(tail, torch.arange(102.0, 108.0))
 
 
+def test_views_of_one_storage_share_it_beside_code_pickled_by_value():
+    base = torch.arange(8.0)
+    (double, (whole, tail), _), out = round_trip((lambda t: t * 2, (base, base[2:]), {}))
+    assert len(out.pieces) == 2
+    whole += 1
+    assert torch.equal(double(tail), torch.arange(6.0, 18.0, 2.0))
+
+
 def test_views_of_every_shape_dtype_and_stride_over_one_storage_keep_them_and_share_it():
     matrix = torch.arange(24.0).view(4, 6)
     views = (matrix[1], matrix[:, 2], matrix.T, matrix.view(torch.int32), matrix[2:, 3:],
