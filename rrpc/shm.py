@@ -15,7 +15,9 @@ Rules:
   the receiver clears it (when its tensor is gone); a byte store is atomic
   and x86 keeps the receiver's reads of the data ordered before its clear.
 - Slots are pre-faulted when created and reused after: new memory costs a
-  page fault per 4 KiB here, which is what makes fresh buffers slow.
+  page fault per 4 KiB here, which is what makes fresh buffers slow. A slot
+  is made outside the pool's lock: the buffer that needs it waits for it,
+  no other buffer does.
 - A reply that sends back (part of) a tensor the peer's slot carried here —
   an echo, a function returning its argument or a view of it — is not copied
   into a slot of this worker: its descriptor names the peer's own slot
@@ -127,8 +129,9 @@ class SenderPool:
         self._by_capacity: dict[int, list[_Segment]] = {}
         self._by_name: dict[str, _Segment] = {}
         self._lock = threading.Lock()
-        self._total = 0
+        self._total = 0  # the capacity of the slots, and of those being made
         self._limit = limit_bytes
+        self._closed = False
         self.key = os.urandom(KEY.stop - KEY.start)  # peers check it in every segment
         self.probe = _Segment(_PAGE, self.key)
         self.probe.array[HEADER : HEADER + len(MAGIC)] = np.frombuffer(MAGIC, dtype=np.uint8)
@@ -180,21 +183,37 @@ class SenderPool:
         with self._lock:
             segments = self._by_capacity.setdefault(capacity, [])
             segment = self._free(segments) or self._reclaim(segments) or self._larger(capacity)
-            if segment is None:
-                if self._total + capacity > self._limit:
-                    return None
-                try:
-                    segment = _Segment(capacity, self.key)
-                except OSError:  # out of file descriptors (each slot holds one) or memory
-                    return None
-                self._total += capacity
-                segments.append(segment)
-                self._by_name[segment.name] = segment
-            segment.array[0] = 1
-            segment.array[SEEN] = 0
-            segment.uses += 1
-            segment.holder = holder
-            return segment
+            if segment is not None:
+                return self._take(segment, holder)
+            if self._total + capacity > self._limit:
+                return None
+            self._total += capacity  # reserved while the slot is made
+        # Made outside the lock: pre-faulting takes milliseconds per MiB (~100
+        # ms for 128 MiB here), which no other buffer of this worker waits for.
+        try:
+            segment = _Segment(capacity, self.key)
+        except BaseException as exc:
+            with self._lock:
+                self._total -= capacity
+            if isinstance(exc, OSError):  # out of file descriptors (one per slot) or memory
+                return None
+            raise
+        with self._lock:
+            if self._closed:
+                os.close(segment.fd)
+                return None
+            segments.append(segment)
+            self._by_name[segment.name] = segment
+            return self._take(segment, holder)
+
+    @staticmethod
+    def _take(segment: _Segment, holder: int) -> _Segment:
+        """Mark a slot filled for process ``holder`` (under the lock)."""
+        segment.array[0] = 1
+        segment.array[SEEN] = 0
+        segment.uses += 1
+        segment.holder = holder
+        return segment
 
     @staticmethod
     def _free(segments: list[_Segment]) -> _Segment | None:
@@ -229,6 +248,7 @@ class SenderPool:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True  # a slot still being made is closed when it is
             for segment in (s for group in self._by_capacity.values() for s in group):
                 os.close(segment.fd)
             self._by_capacity.clear()

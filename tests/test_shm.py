@@ -6,6 +6,7 @@ import resource
 import subprocess
 import sys
 import tempfile
+import threading
 
 import numpy as np
 import pytest
@@ -80,6 +81,46 @@ def test_a_buffer_takes_a_free_larger_slot_up_to_twice_its_size_before_a_new_one
         assert pool.debug_info() == {"segments": 2, "busy": 1}
     finally:
         pool.close()
+
+
+def test_a_slot_being_made_holds_up_no_other_buffer(monkeypatch):
+    # Pre-faulting a new slot takes ~100 ms for 128 MiB here: made under the
+    # pool's lock, it held up every other placement of the worker meanwhile.
+    pool = shm.SenderPool()
+    attach = shm.Attachments().bind(os.getpid(), pool.key)
+    making, go_on = threading.Event(), threading.Event()
+    make = shm._Segment.__init__
+
+    def slowly(segment, capacity, key):
+        if capacity == 4 * MiB:
+            making.set()
+            assert go_on.wait(60)
+        make(segment, capacity, key)
+
+    placed: dict[str, SharedBuffer | None] = {}
+
+    def place(name: str, size: int) -> threading.Thread:
+        thread = threading.Thread(
+            target=lambda: placed.update({name: pool.place(_sized(size), holder=os.getpid())})
+        )
+        thread.start()
+        return thread
+
+    try:
+        free = pool.place(_payload(1), holder=os.getpid())  # a 2 MiB slot, then freed
+        attach(free)
+        monkeypatch.setattr(shm._Segment, "__init__", slowly)
+        large = place("large", 4 * MiB)
+        assert making.wait(60)
+        small = place("small", 2 * MiB)
+        small.join(10)
+        assert not small.is_alive()  # placed while the 4 MiB slot is still being made
+        assert placed["small"].segment == free.segment
+    finally:
+        go_on.set()
+        large.join(60)
+        pool.close()
+    assert placed["large"] is not None and placed["large"].segment != free.segment
 
 
 def test_a_pool_out_of_file_descriptors_leaves_buffers_to_the_stream():
