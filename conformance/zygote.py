@@ -177,6 +177,36 @@ def _exit_like_interpreter(code: int) -> None:
     os._exit(code)
 
 
+# Process groups a test destroyed, kept until its locals are gone (see below).
+_destroyed_groups: list[Any] = []
+
+
+def _keep_destroyed_groups() -> None:
+    """Work around a deadlock of torch's own, on either framework: keep each
+    process group ``destroy_process_group`` destroys referenced from Python
+    until the test has returned (``_run_rank`` drops them).
+
+    A test that frees its DDP module after ``destroy_process_group`` (the
+    DdpComparison tests) leaves the module's ``Reducer`` the last owner of the
+    ``ProcessGroupGloo``; pybind frees a Reducer with the GIL held, so
+    ``~ProcessGroupGloo`` joins gloo's work threads with it, while a work
+    thread that just finished an ``all_reduce`` on a tensor made in Python
+    needs the GIL to drop that tensor's Python object. Torch alone does it
+    (``dist.Reducer`` on a one-rank gloo group: hangs within 300 iterations
+    here, never with the groups kept). Dropped from this list, the Python
+    ``ProcessGroup`` releases the GIL in its destructor."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    destroy = c10d.destroy_process_group
+
+    def destroy_process_group(group: Any = None) -> None:
+        _destroyed_groups.extend(list(c10d._world.pg_map) if group is None else [group])
+        destroy(group)
+
+    dist.destroy_process_group = c10d.destroy_process_group = destroy_process_group
+
+
 def _run_rank(
     cls: type,
     test_name: str,
@@ -200,10 +230,12 @@ def _run_rank(
         log = open(log_path, "a")  # noqa: SIM115 -- lives as long as the process
         faulthandler.enable(file=log, all_threads=True)
         faulthandler.dump_traceback_later(max(1.0, timeout - STACK_DUMP_MARGIN), file=log)
+        _keep_destroyed_groups()
         case = cls(test_name)  # MultiProcessTestCase._run
         case.rank = rank
         case.file_name = file_name
         case.run_test(test_name, conn)
+        _destroyed_groups.clear()  # the test's locals are gone: no Reducer frees them now
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:
