@@ -1,4 +1,5 @@
-"""The conformance runner's verdict and report, on made-up results (no processes).
+"""The conformance runner's verdict and report, on made-up results (no processes),
+and the zygote's work-around for a deadlock of torch's own (one process of its own).
 
 ``make conformance`` must fail when rrpc fails a test it may not (one that is
 no known difference and that torch passes here), and print the table the
@@ -6,6 +7,10 @@ README shows.
 """
 
 from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -135,3 +140,36 @@ def test_every_part_a_not_applicable_reason_names_is_a_test_of_parts_py():
     }
     assert named, "no reason names a part"
     assert named <= tests, sorted(named - tests)
+
+
+# torch's own teardown deadlock, without RPC: a Reducer that frees the last
+# reference to its ProcessGroupGloo (with the GIL held) while a gloo worker
+# needs the GIL to drop the Python object of an all_reduce's tensor.
+_TEARDOWN = """
+import torch
+import torch.distributed as dist
+from conformance import zygote
+
+zygote._keep_destroyed_groups()
+for _ in range(50):
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    group = dist.group.WORLD
+    reducer = dist.Reducer([torch.nn.Parameter(torch.zeros(3))], [[0]], [1 << 20], group)
+    tensor = torch.ones(1)
+    dist.all_reduce(tensor, async_op=True)  # its work dropped at once, as DDP does
+    del tensor
+    dist.destroy_process_group()  # as the DdpComparison tests, before their module goes
+    del group, reducer
+    zygote._destroyed_groups.clear()  # as _run_rank, once the test returned
+print("done")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_the_zygote_keeps_a_reducer_from_freeing_its_process_group_with_the_gil_held():
+    # Without _keep_destroyed_groups this hangs in its first iteration here.
+    root = pathlib.Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        [sys.executable, "-c", _TEARDOWN], cwd=root, capture_output=True, text=True, timeout=90
+    )
+    assert done.stdout.strip() == "done", done.stderr[-2000:]
