@@ -158,12 +158,16 @@ def _storage_span(tensor: torch.Tensor) -> torch.Tensor | None:
 
 @restricted.allow
 def _rebuild_parameter(buffer: Any, dtype_index: int, shape: tuple, requires_grad: bool):
-    if requires_grad and receiving.hook is not None:
-        # In a distributed autograd context a parameter is a tensor that
-        # requires grad like any other (as in torch): its gradient goes back.
-        return _rebuild_tensor(buffer, dtype_index, shape, True)
-    tensor = _rebuild_tensor(buffer, dtype_index, shape, False)
-    return torch.nn.Parameter(tensor, requires_grad=requires_grad)
+    return _as_sent(_rebuild_tensor(buffer, dtype_index, shape, False), requires_grad, True)
+
+
+def _as_sent(tensor: torch.Tensor, requires_grad: bool, parameter: bool) -> torch.Tensor:
+    """A rebuilt tensor as it was sent: a parameter stays one, but in a
+    distributed autograd context, where one that requires grad is a tensor
+    like any other (as in torch): its gradient goes back."""
+    if parameter and not (requires_grad and receiving.hook is not None):
+        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
+    return _with_grad(tensor, requires_grad)
 
 
 # Sparse layouts travel as their parts: each part a strided tensor (out of band, as above).
@@ -193,9 +197,7 @@ def _rebuild_sparse(
             compressed, plain, values, shape,
             layout=_COMPRESSED_LAYOUTS[layout_index], check_invariants=True,
         )  # fmt: skip
-    if parameter and not (requires_grad and receiving.hook is not None):
-        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
-    return _with_grad(tensor, requires_grad)
+    return _as_sent(tensor, requires_grad, parameter)
 
 
 def _reduce_sparse(pickler: Any, obj: torch.Tensor, parameter: bool) -> Any:
@@ -370,6 +372,4 @@ def _rebuild_view(
             f"a view of {extent} bytes at byte {offset} lies outside its span of {span.numel()}"
         )
     tensor = span[offset : offset + extent].view(dtype).as_strided(shape, strides)
-    if parameter and not (requires_grad and receiving.hook is not None):
-        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
-    return _with_grad(tensor, requires_grad)
+    return _as_sent(tensor, requires_grad, parameter)
