@@ -208,7 +208,8 @@ def _dump_with(pickler: Any, out: io.BytesIO, buffers: list, obj: Any) -> tuple:
     previous_undo, _state.undo = _state.undo, []
     try:
         pickler.dump(obj)
-        spans = pickler.storages.shared() if pickler.storages is not None else None
+        storages = pickler.storages
+        spans = storages.shared() if storages is not None and storages.repeated else None
         if spans:  # tensors that view one storage: again, with its bytes sent once
             _undo()
             out.seek(0)

@@ -264,8 +264,7 @@ def reduce_tensor(pickler: Any, obj: Any) -> Any:
 
 # -- Storages shared within one message ------------------------------------------
 _SPAN_ALIGN = 16  # a span starts this aligned in its storage: any dtype's view lines up
-# torch's rule: a tensor whose storage is this large and at least twice its
-# bytes is copied before it is sent (it shares nothing); rrpc sends its bytes apart.
+# See ``_shares``: rrpc sends such a tensor's own bytes apart.
 _COPIED_FROM = 8 << 10
 
 
@@ -288,33 +287,37 @@ class Storages:
     its first tensor: a message without one costs nothing here).
 
     First pickling: ``note`` records each dense CPU tensor under its
-    storage, and ``shared()`` then gives the spans worth sending once (two
-    tensors or more over a storage). Second pickling, made with those spans:
-    ``note`` gives the span a tensor is a view into, or None."""
+    storage, and, if one was met twice (``repeated``), ``shared()`` gives the
+    spans to send once (two tensors or more that share a storage). Second
+    pickling, made with those spans: ``note`` gives the span a tensor is a
+    view into, or None."""
 
     def __init__(self, spans: dict[int, _Span] | None = None):
         self._seen: dict[int, list[torch.Tensor]] = {}
         self._spans = spans
+        self.repeated = False  # a storage was met twice: ``shared()`` may find spans
 
     def note(self, tensor: torch.Tensor) -> _Span | None:
-        storage = tensor.untyped_storage()
-        size = storage.nbytes()
-        if size >= _COPIED_FROM and size >= 2 * tensor.nbytes:
-            return None  # as torch: a small part of a large storage travels apart
-        key = storage.data_ptr()
-        if self._spans is None:
-            self._seen.setdefault(key, []).append(tensor)
+        key = tensor.untyped_storage().data_ptr()
+        if self._spans is None:  # the first pickling: only what each storage holds
+            views = self._seen.get(key)
+            if views is None:
+                self._seen[key] = [tensor]
+            else:
+                views.append(tensor)
+                self.repeated = True
             return None
         span = self._spans.get(key)
-        if span is None or tensor.is_conj() or tensor.is_neg():
+        if span is None or not _shares(tensor) or tensor.is_conj() or tensor.is_neg():
             return None
         return span
 
     def shared(self) -> dict[int, _Span]:
-        """The spans of storages that two tensors or more view."""
+        """The spans of storages that two tensors or more view and share."""
         spans = {}
-        for key, views in self._seen.items():
-            if len(views) < 2 or not key:
+        for key, seen in self._seen.items():
+            views = [view for view in seen if _shares(view)] if len(seen) > 1 and key else ()
+            if len(views) < 2:
                 continue
             first = min(view.data_ptr() for view in views)
             first -= (first - key) % _SPAN_ALIGN
@@ -323,6 +326,13 @@ class Storages:
             whole.set_(views[0].untyped_storage(), first - key, (end - first,), (1,))
             spans[key] = _Span(whole, first)
         return spans
+
+
+def _shares(tensor: torch.Tensor) -> bool:
+    """Torch's rule: a tensor that views at most half of a storage of 8 KiB
+    or more is copied before it is sent, and shares nothing."""
+    size = tensor.untyped_storage().nbytes()
+    return size < _COPIED_FROM or size < 2 * tensor.nbytes
 
 
 def _last_element(shape: Sequence[int], strides: Sequence[int]) -> int:
