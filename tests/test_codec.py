@@ -280,7 +280,8 @@ class _Counted:
 def test_a_message_pickled_again_for_its_shared_storage_keeps_one_pickling_s_side_effects():
     base = torch.arange(4.0)
     _Counted.count = 0
-    round_trip((_Counted(), base, base[1:]))
+    (_, whole, tail), _ = round_trip((_Counted(), base, base[1:]))
+    assert _storage(whole) == _storage(tail)  # it was pickled again, to share them
     assert _Counted.count == 1
 
 
