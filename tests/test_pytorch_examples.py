@@ -14,7 +14,12 @@ and asserts that the trained parameters (and the losses on the way) are equal.
 Deterministic by construction: seeds fix the initial weights and the batches,
 and each trainer looks up its own half of the table, so the trainers' updates
 of the shared table (plain SGD: a zero gradient leaves a row as it is)
-commute whatever order they arrive in.
+commute whatever order they arrive in. The optimizer is a subclass of SGD
+(``_SGD``) so that torch steps it in its class form, under the lock that
+serializes steps on a worker: for SGD itself torch uses its TorchScript form,
+which steps without that lock (and without the GIL), so the two trainers'
+steps of the table on "ps" could run at once, each writing back all rows, and
+lose an update (rrpc serializes both forms, as torch's documentation says).
 """
 
 from __future__ import annotations
@@ -81,12 +86,16 @@ def _batches(trainer: int):
         yield indices, offsets, target
 
 
+class _SGD(torch.optim.SGD):
+    """SGD by another name: not in torch's functional map (see the module doc)."""
+
+
 def _train(remote_table, trainer: int) -> dict:
     """On a trainer (called by the master over RPC): train; return losses and replica."""
     model = HybridModel(remote_table)
     parameter_rrefs = remote_table.remote_parameters()
     parameter_rrefs += [rpc.RRef(param) for param in model.fc.parameters()]
-    opt = DistributedOptimizer(torch.optim.SGD, parameter_rrefs, lr=0.05)
+    opt = DistributedOptimizer(_SGD, parameter_rrefs, lr=0.05)
     criterion = torch.nn.CrossEntropyLoss()
     losses = []
     for _ in range(EPOCHS):
