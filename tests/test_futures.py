@@ -95,6 +95,63 @@ def test_wait_raises_a_copy_of_the_error_so_the_future_holds_no_frame():
     assert raised[0] is not raised[1]
 
 
+def _torch_future_calls(monkeypatch) -> list[str]:
+    """Record every call to torch's Future methods that let go of the GIL."""
+    calls: list[str] = []
+    for name in ("add_done_callback", "then", "value", "wait"):
+        original = getattr(torch.futures.Future, name)
+
+        def recorded(self, *args, _name=name, _original=original):
+            calls.append(_name)
+            return _original(self, *args)
+
+        monkeypatch.setattr(torch.futures.Future, name, recorded)
+    return calls
+
+
+def test_callbacks_and_outcome_are_kept_in_python_not_asked_of_torch(monkeypatch):
+    # Each of these torch methods lets go of the GIL, which costs up to 5 ms to
+    # get back while another thread runs Python: rrpc's futures answer them
+    # from their own state once completed through rrpc (as rrpc completes them).
+    calls = _torch_future_calls(monkeypatch)
+    future, order = Future(), []
+    future.add_done_callback(lambda fut: order.append(("before", fut.value())))
+    child = future.then(lambda fut: fut.wait() + 1)
+    _on_a_transport_thread(futures.settle, future, 41)
+    assert calls == []
+    assert child.wait() == 42  # done on the callback thread: a wait for it may block in torch
+    calls.clear()
+    future.add_done_callback(lambda fut: order.append(("after", fut.value())))
+    assert (future.value(), future.wait()) == (41, 41)
+    assert order == [("before", 41), ("after", 41)]  # registration order, as in torch
+    failed = Future()
+    failed.add_done_callback(lambda fut: order.append("failed"))
+    failed.set_exception(ValueError("boom"))
+    with pytest.raises(ValueError, match="boom"):
+        failed.value()
+    assert order[-1] == "failed"
+    assert calls == []
+
+
+def test_a_future_completed_through_rrpc_still_completes_torchs_own_waits():
+    # The torch future underneath is completed first: torch's combinators and
+    # C++ callbacks see it, and a thread already waiting wakes.
+    futures_ = [Future(), Future()]
+    collected = torch.futures.collect_all(futures_)
+    waiting = threading.Thread(target=futures_[0].wait)
+    waiting.start()
+    _on_a_transport_thread(futures.settle, futures_[0], "a")
+    futures_[1].set_result("b")
+    waiting.join(10)
+    assert not waiting.is_alive()
+    assert [done.value() for done in collected.wait()] == ["a", "b"]
+    assert torch.futures.wait_all(futures_) == ["a", "b"]
+    failed = Future()
+    failed.set_exception(ValueError("c"))
+    with pytest.raises(ValueError, match="c"):
+        torch.futures.wait_all([failed])
+
+
 # -- Combinations -------------------------------------------------------------------
 
 
