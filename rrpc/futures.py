@@ -126,12 +126,19 @@ class Future(torch.futures.Future):
     _outcome: tuple[Any, BaseException | None] | None = None  # once completed here
     _pending: list[Callable[[Any], None]] | None = None  # callbacks waiting for the outcome
 
+    _failing = False  # torch's set_exception sets the error through set_result
+
     def set_result(self, value: Any) -> None:
         super().set_result(value)
-        self._finish((value, None))
+        if not self._failing:
+            self._finish((value, None))
 
     def set_exception(self, error: BaseException) -> None:
-        super().set_exception(error)
+        self._failing = True
+        try:
+            super().set_exception(error)
+        finally:
+            self._failing = False
         self._finish((None, error))
 
     def _finish(self, outcome: tuple[Any, BaseException | None]) -> None:
@@ -141,9 +148,12 @@ class Future(torch.futures.Future):
         for run in pending or ():
             run(self)
 
-    def _when_done(self, run: Callable[[Any], None]) -> None:
-        """``run(self)`` once the outcome is here: now if it is."""
-        self._has_user_callbacks = True
+    def _when_done(self, run: Callable[[Any], None], user: bool = True) -> None:
+        """``run(self)`` once the outcome is here: now if it is. ``user``: a
+        user's callback (``settle`` then completes the future off the
+        transport, so that it runs in order with the others, as in torch)."""
+        if user:
+            self._has_user_callbacks = True
         with _pending_lock:
             if self._outcome is None:
                 if self._pending is None:
@@ -269,8 +279,12 @@ def outcome(future: torch.futures.Future) -> tuple[Any, BaseException | None]:
 
 def on_done(future: torch._C.Future, callback: Callable[[Any], None]) -> None:
     """Register an rrpc-internal callback: it runs where ``future`` completes,
-    possibly on a transport thread, so it must never block."""
-    torch._C.Future.add_done_callback(future, callback)
+    possibly on a transport thread, so it must never block. On an rrpc
+    ``Future``, in its own list (no GIL let go), in order with the others."""
+    if isinstance(future, Future):
+        future._when_done(callback, user=False)
+    else:
+        torch._C.Future.add_done_callback(future, callback)
 
 
 class SyncReply:

@@ -125,12 +125,28 @@ def test_callbacks_and_outcome_are_kept_in_python_not_asked_of_torch(monkeypatch
     assert (future.value(), future.wait()) == (41, 41)
     assert order == [("before", 41), ("after", 41)]  # registration order, as in torch
     failed = Future()
-    failed.add_done_callback(lambda fut: order.append("failed"))
+    failed.add_done_callback(lambda fut: order.append(futures.outcome(fut)))
     failed.set_exception(ValueError("boom"))
     with pytest.raises(ValueError, match="boom"):
         failed.value()
-    assert order[-1] == "failed"
+    value, error = order[-1]  # the callback saw the error, not a value
+    assert value is None and isinstance(error, ValueError) and str(error) == "boom"
     assert calls == []
+
+
+def test_internal_callbacks_on_an_rrpc_future_run_in_order_with_the_users_without_torch(
+    monkeypatch,
+):
+    # Registered with torch, the internal ones would run first, both, then the user's.
+    calls = _torch_future_calls(monkeypatch)
+    future, order = Future(), []
+    futures.on_done(future, lambda fut: order.append("internal 1"))
+    future.add_done_callback(lambda fut: order.append("user"))
+    futures.on_done(future, lambda fut: order.append(("internal 2", fut.value())))
+    combined = futures.all_of([future])
+    future.set_result(7)
+    assert order == ["internal 1", "user", ("internal 2", 7)]
+    assert combined.done() and calls == []
 
 
 def test_a_future_completed_through_rrpc_still_completes_torchs_own_waits():
