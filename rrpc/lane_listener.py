@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
+import select
 import shutil
 import socket
 import struct
@@ -120,6 +121,7 @@ class Listener:
             _packets(sock, writer, self._spin),
             self._new_reader(caller_rank),
             on_frame,
+            readable=functools.partial(_readable, sock),
             admit=streams.admit_with(
                 in_flight,
                 writer.wait_for_room,
@@ -160,6 +162,16 @@ class Listener:
         for sock in served:
             shut(sock)
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _readable(sock: socket.socket) -> bool:
+    """Whether bytes (or its end) wait on the socket, without reading them."""
+    poller = select.poll()
+    try:
+        poller.register(sock, select.POLLIN)
+    except (ValueError, OSError):  # closed: a reader finds out why
+        return True
+    return bool(poller.poll(0))
 
 
 def _packets(sock: socket.socket, writer: Writer, spin: float) -> Iterator[bytes]:

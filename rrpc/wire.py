@@ -264,9 +264,11 @@ class FrameReader:
         self._buffers: list[np.ndarray | torch.Tensor] = []
         self._target: np.ndarray | _GrowingBuffer | None = None  # the buffer being filled
         self._filled = 0
+        self.unread = 0  # bytes of the packet being read that no frame handed out yet covers
 
     def close(self) -> None:
         """The stream ended: drop the frame being read, and its memory."""
+        self.unread = 0
         self._head = bytearray()
         self._envelope, self._target, self._buffers = None, None, []
         self._payload = bytearray()
@@ -283,19 +285,23 @@ class FrameReader:
         while True:
             if self._envelope is None:
                 if position == end:
+                    self.unread = 0
                     return
                 if not self._head:
                     whole = self._read_whole_frame(view, position)
                     if whole is not None:
                         position = whole[1]
+                        self.unread = end - position
                         yield whole[0]
                         continue
                 position = self._read_envelope(view, position)
                 continue
             self._open_next_buffer()
             if self._complete():
+                self.unread = end - position
                 yield self._take()
             elif position == end:
+                self.unread = 0
                 return
             else:
                 position = self._read_body(view, position)

@@ -42,11 +42,15 @@ class _Packets:
         return packet
 
 
-def _serve(on_request):
-    """Two readers over a fresh stream; each request goes to ``on_request(name, inline)``."""
+def _serve(on_request, readable=None):
+    """Two readers over a fresh stream; each request goes to ``on_request(name, inline)``.
+    ``readable(packets)``: the carrier's probe of bytes waiting, if it has one."""
     packets = _Packets()
     readers = turns.TakeTurns(
-        packets, wire.FrameReader(), lambda frame, inline: on_request(codec.loads(frame), inline)
+        packets,
+        wire.FrameReader(),
+        lambda frame, inline: on_request(codec.loads(frame), inline),
+        readable=None if readable is None else lambda: readable(packets),
     )
     threads = [
         threading.Thread(target=readers.run, name=f"reader-{i}", daemon=True) for i in range(2)
@@ -102,6 +106,56 @@ def test_a_long_request_has_its_reading_taken_over_and_the_next_one_goes_to_the_
     _finish(packets, threads)
     assert (long_name, long_inline) == ("long", True)
     assert (next_name, next_inline) == ("next", False)  # a request runs already: the pool
+    assert next_thread != long_thread
+
+
+@pytest.mark.timeout(60)
+def test_a_long_request_keeps_its_reader_while_nothing_waits_to_be_read():
+    # A sequential caller: its next request comes after the reply. A takeover
+    # would only move that request to the other thread (cold caches, another
+    # OpenMP team).
+    release, probed = threading.Event(), threading.Semaphore(0)
+    ran = queue.SimpleQueue()
+
+    def on_request(name, inline):
+        ran.put((name, inline, threading.current_thread().name))
+        if name == "long":
+            assert release.wait(30)
+
+    def readable(packets):
+        probed.release()  # the partner looked, past HANDOFF_AFTER
+        return not packets._queue.empty()
+
+    packets, threads = _serve(on_request, readable)
+    packets.send("long")
+    long_name, _, long_thread = ran.get(timeout=30)
+    for _ in range(3):  # the partner looked three times and found nothing to read
+        assert probed.acquire(timeout=10)
+    release.set()
+    packets.send("next")
+    next_name, next_inline, next_thread = ran.get(timeout=10)
+    _finish(packets, threads)
+    assert (next_name, next_inline, next_thread) == ("next", True, long_thread)
+
+
+@pytest.mark.timeout(60)
+def test_a_long_request_has_its_reading_taken_over_once_bytes_wait():
+    release = threading.Event()
+    ran = queue.SimpleQueue()
+
+    def on_request(name, inline):
+        ran.put((name, inline, threading.current_thread().name))
+        if name == "long":
+            assert release.wait(30)
+
+    packets, threads = _serve(on_request, lambda packets: not packets._queue.empty())
+    packets.send("long")
+    long_name, _, long_thread = ran.get(timeout=30)
+    packets.send("next")
+    next_name, next_inline, next_thread = ran.get(timeout=10)  # while "long" still runs
+    release.set()
+    _finish(packets, threads)
+    assert (next_name, next_inline) == ("next", False)
     assert next_thread != long_thread
 
 
