@@ -77,7 +77,7 @@ from rrpc import agent as agent_module
 from rrpc.agent import Agent
 from rrpc.autograd_context import Context, ContextTable, Hooks
 from rrpc.dispatch import Deferred
-from rrpc.futures import all_of, all_settled, on_done, wait_until
+from rrpc.futures import Future, all_of, all_settled, on_done, wait_until
 from rrpc.messages import (
     AUTOGRAD_BACKWARD,
     AUTOGRAD_RELEASE,
@@ -501,7 +501,7 @@ class Autograd:
             unsent, self._unsent = self._unsent, {}
             if not unsent:
                 return
-            flushing: torch.futures.Future = torch.futures.Future()  # until what it took is tracked
+            flushing = Future()  # until what it took is tracked
             self._pending_releases.add(flushing)
         try:
             for peer, releases in unsent.values():

@@ -375,7 +375,7 @@ def _combine(
     first failure as soon as it happens. Exactly one completion: which one is
     decided under the lock, so a failure and the last success racing on two
     threads cannot both complete it."""
-    combined: torch.futures.Future = torch.futures.Future()
+    combined = Future()
     lock = threading.Lock()
     remaining = [len(futures)]
     decided = [False]
