@@ -110,6 +110,15 @@ def _off_transport(callback: Callable[[Any], Any]) -> Callable[[Any], Any]:
 _pending_lock = threading.Lock()
 
 
+def _run_logged(run: Callable[[Any], None], future: Any) -> None:
+    """One callback of a future: one that raises is logged, as torch does,
+    and neither stops the others nor reaches the thread completing it."""
+    try:
+        run(future)
+    except Exception:
+        log.exception("rrpc: a future's callback raised")
+
+
 class Future(torch.futures.Future):
     """A ``torch.futures.Future`` whose callbacks never run on rrpc's transport threads.
 
@@ -146,7 +155,7 @@ class Future(torch.futures.Future):
             self._outcome = outcome
             pending, self._pending = self._pending, None
         for run in pending or ():
-            run(self)
+            _run_logged(run, self)
 
     def _when_done(self, run: Callable[[Any], None], user: bool = True) -> None:
         """``run(self)`` once the outcome is here: now if it is. ``user``: a
@@ -160,7 +169,7 @@ class Future(torch.futures.Future):
                     self._pending = []
                 self._pending.append(run)
                 return
-        run(self)
+        _run_logged(run, self)
 
     def then(self, callback: Callable[[Any], Any]) -> Future:
         if not callable(callback):

@@ -149,6 +149,20 @@ def test_internal_callbacks_on_an_rrpc_future_run_in_order_with_the_users_withou
     assert combined.done() and calls == []
 
 
+def test_a_callback_that_raises_is_logged_and_stops_neither_the_others_nor_the_completer(caplog):
+    future, order = Future(), []
+
+    def fails(fut):
+        raise ValueError("in a callback")
+
+    futures.on_done(future, fails)
+    futures.on_done(future, lambda fut: order.append(fut.value()))
+    future.set_result(5)  # the completing thread (a stream's reader) goes on
+    futures.on_done(future, fails)  # registered once done: runs at once, logged likewise
+    assert order == [5]
+    assert [r.exc_info[1].args for r in caplog.records if r.exc_info] == [("in a callback",)] * 2
+
+
 def test_a_future_completed_through_rrpc_still_completes_torchs_own_waits():
     # The torch future underneath is completed first: torch's combinators and
     # C++ callbacks see it, and a thread already waiting wakes.
