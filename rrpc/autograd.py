@@ -50,13 +50,8 @@ Theory of operation
 - Release. Leaving the ``with`` block drops the context here and sends
   AUTOGRAD_RELEASE to every participant, which drops it and forwards the
   release to its own participants. It does not wait for the answers (as in
-  torch); ``_wait_releases()`` does, for tests. A training loop ends a
-  context every step: the releases of ``RELEASE_DELAY`` go to each
-  participant in one message, sent from the scheduler's thread, so that a
-  step's own calls do not share the lane with a release and its reply every
-  step (a message and its reply cost ~6 % of a small step); ``RELEASE_BATCH``
-  gathered for one participant go at once, so fast steps keep at most that
-  many contexts alive on a peer past their end.
+  torch); ``_wait_releases()`` does, for tests. Releases are gathered into
+  one message per participant: ``rrpc/autograd_release.py``.
 - One run's state (the context table, the releases under way) lives in the
   ``Autograd`` service that ``init_rpc`` builds (``rrpc/worker.py``); the
   functions above find it through the current agent.
@@ -70,7 +65,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -79,11 +73,11 @@ import torch
 from rrpc import agent as agent_module
 from rrpc.agent import Agent
 from rrpc.autograd_context import Context, ContextTable, Hooks
+from rrpc.autograd_release import Releases
 from rrpc.dispatch import Deferred
-from rrpc.futures import Future, all_of, all_settled, on_done, wait_until
+from rrpc.futures import all_of
 from rrpc.messages import (
     AUTOGRAD_BACKWARD,
-    AUTOGRAD_RELEASE,
     MessageKey,
     WorkerInfo,
     thread_state,
@@ -149,7 +143,7 @@ class context:
         thread_state.autograd_context_id = 0
         agent = agent_module._current
         if agent is not None and agent.autograd is not None:  # else: shut down inside the block
-            agent.autograd.release(self._context_id)
+            agent.autograd.releases.release(self._context_id)
 
 
 def backward(context_id: int, roots: Sequence[torch.Tensor], retain_graph: bool = False) -> None:
@@ -245,7 +239,7 @@ def _debug_info() -> dict[str, int]:
 
 def _wait_releases(timeout: float) -> bool:
     """Wait until the releases this worker started are done everywhere. False on timeout."""
-    return _service().wait_releases(timeout)
+    return _service().releases.wait(timeout)
 
 
 # -- Recv nodes and the local pass ---------------------------------------------
@@ -436,20 +430,13 @@ def _local_pass(
     ]
 
 
-# Releases gathered this long go to each participant in one message (seconds;
-# 0: each at once, from the thread that left the block) ...
-RELEASE_DELAY = 0.02
-# ... or as soon as this many are gathered for one participant, from the thread
-# that left the block: what the delay holds on peers stays bounded.
-RELEASE_BATCH = 16
-
-
 # -- One run ---------------------------------------------------------------------
 class Autograd:
     """Distributed autograd's part of one run: the context table, the
-    releases under way, and the handlers of AUTOGRAD_BACKWARD and
-    AUTOGRAD_RELEASE (``serve_backward``, ``serve_release``). ``hooks`` is
-    what the agent calls for messages in a context (``agent.autograd_hooks``)."""
+    handler of AUTOGRAD_BACKWARD (``serve_backward``) and the contexts'
+    releases (``releases``: ``autograd_release.Releases``, which serves
+    AUTOGRAD_RELEASE). ``hooks`` is what the agent calls for messages in a
+    context (``agent.autograd_hooks``)."""
 
     def __init__(self, agent: Agent, profiling: Profiling):
         self.agent = agent
@@ -457,10 +444,7 @@ class Autograd:
         # Ids past those of this rank's earlier incarnations (a rejoin), which peers may hold.
         self.table = ContextTable(agent.info.id, first=1 + (agent.incarnation << 32))
         self.hooks = Hooks(self.table, _receive)
-        self._pending_releases: set[torch.futures.Future] = set()
-        self._pending_lock = threading.Lock()
-        # Releases not sent yet (RELEASE_DELAY), by participant: (context id, told).
-        self._unsent: dict[int, tuple[WorkerInfo, list[tuple[int, frozenset[int]]]]] = {}
+        self.releases = Releases(agent, self.table)
 
     def serve_backward(self, payload: tuple, caller: WorkerInfo) -> Any:
         """Gradients for one of our send records: run the rest of the pass here."""
@@ -473,126 +457,15 @@ class Autograd:
             hops = _local_pass(self.agent, context, outputs, grads)
         return Deferred(all_of(hops)) if hops else None
 
-    def serve_release(self, payload: list, caller: WorkerInfo) -> Any:
-        """Contexts ended (``[(context id, told)]``): drop them and pass the
-        releases on to those not told yet."""
-        futures = []
-        for context_id, told in payload:
-            for peer, told_on in self._drop(context_id, told):
-                future = self._send_releases(peer, [(context_id, told_on)])
-                if future is not None:
-                    futures.append(future)
-        return Deferred(all_settled(futures, _release_failed)) if futures else None
-
-    def release(self, context_id: int) -> None:
-        """This worker's ``with context()`` block ended: release it everywhere."""
-        targets = self._drop(context_id, frozenset())
-        if not targets:
-            return
-        if RELEASE_DELAY <= 0:
-            for peer, told in targets:
-                self._track(self._send_releases(peer, [(context_id, told)]))
-            return
-        with self._pending_lock:
-            first = not self._unsent
-            full = False
-            for peer, told in targets:
-                gathered = self._unsent.setdefault(peer.id, (peer, []))[1]
-                gathered.append((context_id, told))
-                full = full or len(gathered) >= RELEASE_BATCH
-        if full:
-            self.flush_releases()
-        elif first:
-            self.agent.scheduler.call_later(RELEASE_DELAY, self.flush_releases)
-
-    def flush_releases(self) -> None:
-        """Send the releases gathered so far (the scheduler does, ``RELEASE_DELAY``
-        after the first; a drain and ``wait_releases`` do at once)."""
-        with self._pending_lock:
-            unsent, self._unsent = self._unsent, {}
-            if not unsent:
-                return
-            flushing = Future()  # until what it took is tracked
-            self._pending_releases.add(flushing)
-        try:
-            for peer, releases in unsent.values():
-                self._track(self._send_releases(peer, releases))
-        finally:
-            with self._pending_lock:
-                self._pending_releases.discard(flushing)
-            flushing.set_result(None)
-
-    def _track(self, future: torch.futures.Future | None) -> None:
-        """Keep a release under way until it is answered (``wait_releases``)."""
-        if future is None:
-            return
-        settled = all_settled([future], _release_failed)
-        with self._pending_lock:
-            self._pending_releases.add(settled)
-
-        def forget(_: torch.futures.Future) -> None:
-            with self._pending_lock:
-                self._pending_releases.discard(settled)
-
-        on_done(settled, forget)
-
-    def _drop(
-        self, context_id: int, told: frozenset[int]
-    ) -> list[tuple[WorkerInfo, frozenset[int]]]:
-        """Drop the context here; the participants not in ``told`` to release
-        it, with whom they need not tell again."""
-        context = self.table.release(context_id)
-        if context is None:
-            return []
-        me = self.agent.info.id
-        with context.lock:
-            targets = [peer for rank, peer in context.participants.items() if rank not in told]
-        # Everyone told by us, or before us, need not be told again by those we tell.
-        told = told | {peer.id for peer in targets} | {me}
-        return [(peer, told) for peer in targets if peer.id != me]
-
-    def _send_releases(
-        self, peer: WorkerInfo, releases: list[tuple[int, frozenset[int]]]
-    ) -> torch.futures.Future | None:
-        """One AUTOGRAD_RELEASE of ``releases`` to ``peer``: its reply's future."""
-        ids = ", ".join(str(context_id) for context_id, _ in releases)
-        try:
-            return self.agent.send_reliably(
-                peer,
-                AUTOGRAD_RELEASE,
-                releases,
-                self.agent.options.rpc_timeout,
-                f"release of autograd context(s) {ids}",
-            )
-        except Exception as exc:  # shutting down: nothing left to free there
-            log.debug("rrpc: release of context(s) %s to %s not sent: %s", ids, peer.name, exc)
-            return None
-
     def debug_info(self) -> dict[str, int]:
         info = self.table.debug_info()
-        with self._pending_lock:
-            unsent = sum(len(releases) for _, releases in self._unsent.values())
-            info["pending_releases"] = len(self._pending_releases) + unsent
+        info["pending_releases"] = self.releases.pending()
         return info
-
-    def wait_releases(self, timeout: float) -> bool:
-        self.flush_releases()
-        deadline = time.monotonic() + timeout
-        while True:
-            with self._pending_lock:
-                pending = list(self._pending_releases)
-            if not pending:
-                return True
-            for future in pending:
-                if not wait_until(future, deadline - time.monotonic()):
-                    return False
 
     def stop(self) -> None:
         """The run is over (the agent stopped): forget every context."""
         self.table.clear()
-        with self._pending_lock:
-            self._pending_releases.clear()
-            self._unsent.clear()
+        self.releases.stop()
 
 
 def _arrived(grad: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
@@ -602,7 +475,3 @@ def _arrived(grad: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
     (a Linear's backward on 32 x 512: 416 -> 488 µs)."""
     grad = grad.to(output.device)
     return grad.contiguous() if grad.layout is torch.strided else grad
-
-
-def _release_failed(error: BaseException) -> None:
-    log.debug("rrpc: a context release failed: %s", error)

@@ -76,7 +76,7 @@ def start_services(agent: Agent) -> None:
 
     autograd = agent.autograd = Autograd(agent, profiling)
     agent.register(AUTOGRAD_BACKWARD, autograd.serve_backward)
-    agent.register(AUTOGRAD_RELEASE, autograd.serve_release)
+    agent.register(AUTOGRAD_RELEASE, autograd.releases.serve)
     agent.autograd_hooks = autograd.hooks
 
     rrefs = agent.rrefs = RRefService(agent, rref.placeholder)
@@ -98,7 +98,7 @@ def start_services(agent: Agent) -> None:
 def drain_services(agent: Agent, timeout: float) -> None:
     """A graceful shutdown's first step: wait (up to ``timeout`` seconds)
     until the protocols' own messages are answered."""
-    agent.autograd.flush_releases()  # gathered releases go now, not after the agent stopped
+    agent.autograd.releases.flush()  # gathered releases go now, not after the agent stopped
     if agent.group is not None:  # leaving a group that goes on: let go of the RRefs held here
         agent.rrefs.release_user_forks()
     agent.rrefs.drain(timeout)

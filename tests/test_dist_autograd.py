@@ -175,9 +175,9 @@ def test_chain_over_three_workers_gradients_equal_local_ones(cluster, no_state_l
 def _release_the_scheduler_is_sending():
     """What ``_wait_releases`` says while the scheduler's delayed flush has
     taken a release from the queue and not yet sent it, and once it is let go."""
-    service = rrpc.agent.current_agent().autograd
+    service = rrpc.agent.current_agent().autograd.releases
     taken, go = threading.Event(), threading.Event()
-    real_send = service._send_releases
+    real_send = service._send
 
     def held_on_the_scheduler(peer, releases):
         if threading.current_thread().name == "rrpc-scheduler":
@@ -185,7 +185,7 @@ def _release_the_scheduler_is_sending():
             go.wait(30)
         return real_send(peer, releases)
 
-    service._send_releases = held_on_the_scheduler
+    service._send = held_on_the_scheduler
     try:
         with rrpc.autograd.context():
             rrpc.rpc_sync("worker1", torch.add, args=(torch.ones(2, requires_grad=True), 1))
@@ -195,7 +195,7 @@ def _release_the_scheduler_is_sending():
         return while_taken, rrpc.autograd._wait_releases(timeout=10)
     finally:
         go.set()
-        service._send_releases = real_send
+        service._send = real_send
 
 
 def test_waiting_for_releases_waits_for_one_the_scheduler_is_sending(cluster, no_state_left_behind):
