@@ -32,6 +32,10 @@ Rules:
   a tensor over the peer's slot already.
 - A tensor that requires grad is handed, as it is rebuilt, to the hook the
   decoding thread set (``receiving.hook``: distributed autograd's recv node).
+- A message that knows where its tensors are (distributed autograd's
+  gradients) may take a dense one apart itself (``take_apart``): plain parts
+  the pickler writes without calling back into Python, which the handler
+  puts together (``put_together``) where it uses the tensor.
 """
 
 from __future__ import annotations
@@ -260,6 +264,58 @@ def reduce_tensor(pickler: Any, obj: Any) -> Any:
             )
     rebuild = _rebuild_parameter if kind is torch.nn.Parameter else _rebuild_tensor
     return rebuild, (_tensor_bytes(obj), dtype_index, tuple(obj.shape), requires_grad)
+
+
+# -- Plain parts, for a message that knows where its tensors are ----------------
+def take_apart(tensor: torch.Tensor) -> Any:
+    """A dense CPU tensor as plain parts (its dtype's index, shape, whether it
+    is one element expanded, its bytes), which ``put_together`` undoes; any
+    other tensor as it is, for the codec to pickle.
+
+    For a message that knows where its tensors are (distributed autograd's
+    gradients): the C pickler writes a tuple and a ``PickleBuffer`` without
+    calling back into Python, and the receiver rebuilds the tensor where it
+    uses it, not inside ``loads`` (~70 µs less per gradient message between
+    two processes here, ~10 µs in a loop). A sum's gradient (one element
+    expanded) travels as that element, as through ``reduce_tensor``."""
+    if type(tensor) is not torch.Tensor or tensor.layout is not torch.strided:
+        return tensor
+    dtype_index = DTYPE_INDEX.get(tensor.dtype)
+    if (
+        dtype_index is None
+        or NUMPY_DTYPES[dtype_index] is None
+        or not tensor.is_cpu
+        or tensor.requires_grad
+        or tensor.is_conj()
+        or tensor.is_neg()
+    ):
+        return tensor
+    if tensor.is_contiguous():
+        return dtype_index, tuple(tensor.shape), False, pickle.PickleBuffer(tensor.numpy())  # type: ignore[arg-type]
+    if tensor.numel() and not any(tensor.stride()):
+        element = tensor.as_strided((1,), (1,)).numpy()
+        return dtype_index, tuple(tensor.shape), True, pickle.PickleBuffer(element)  # type: ignore[arg-type]
+    return tensor
+
+
+def put_together(parts: Any) -> torch.Tensor:
+    """The tensor ``take_apart`` took apart (over the received buffer, no
+    copy; an expanded element a view). Raises ValueError or TypeError for
+    parts that describe no such tensor."""
+    if isinstance(parts, torch.Tensor):
+        return parts
+    if not isinstance(parts, tuple) or len(parts) != 4:
+        raise TypeError(f"not the parts of a tensor: {type(parts).__name__}")
+    dtype_index, shape, expanded, buffer = parts
+    if not isinstance(shape, tuple) or not all(type(size) is int and size >= 0 for size in shape):
+        raise ValueError(f"not a tensor's shape: {shape!r}")
+    try:
+        if not expanded:
+            return _rebuild_tensor(buffer, dtype_index, shape, False)
+        element = _rebuild_tensor(buffer, dtype_index, (1,), False)
+        return element.expand(shape) if shape else element.reshape(())
+    except (RuntimeError, IndexError, TypeError) as exc:  # bytes that do not fit the shape
+        raise ValueError(f"the parts of a tensor do not fit together: {exc}") from exc
 
 
 # -- Storages shared within one message ------------------------------------------

@@ -4,6 +4,7 @@ No processes and no sockets: bytes in, frames out. The multi-process tests
 (test_core.py) show the same properties across real workers.
 """
 
+import io
 import pickle
 import re
 import struct
@@ -384,6 +385,72 @@ def test_a_function_of_main_that_main_does_not_name_goes_by_value(monkeypatch):
     monkeypatch.setattr(sys.modules["__main__"], "answer", None)  # redefined since
     received = pickle.loads(codec.dumps(function, same_main=True)[0])
     assert received is not function and received() == 42
+
+
+# -- Tensors taken apart by a message that knows where they are ------------------
+class _NoTensorPickler(pickle.Pickler):
+    """Fails if asked to pickle a tensor: what ``take_apart`` made has none."""
+
+    def reducer_override(self, obj):
+        assert not isinstance(obj, torch.Tensor), "a tensor reached the pickler"
+        return NotImplemented
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda: sample(torch.float32, (32, 512)), id="dense"),
+        pytest.param(lambda: sample(torch.int64, (7,)), id="int64"),
+        pytest.param(lambda: sample(torch.bool, (2, 3)), id="bool"),
+        pytest.param(lambda: torch.tensor(2.5), id="scalar"),
+        pytest.param(lambda: sample(torch.float64, (10, 4))[3:7], id="offset-rows"),
+        pytest.param(lambda: torch.full((), 3.0).expand(32, 512), id="a-sum's-gradient"),
+        pytest.param(lambda: torch.zeros(0, 4), id="empty"),
+    ],
+)
+def test_a_dense_tensor_taken_apart_has_no_tensor_to_pickle_and_is_put_back_exact(make):
+    tensor = make()
+    parts = tensors.take_apart(tensor)
+    assert not isinstance(parts, torch.Tensor)
+    _NoTensorPickler(io.BytesIO(), codec.PICKLE_PROTOCOL, buffer_callback=list().append).dump(parts)
+    received, out = round_trip({0: parts}, packet_size=13)
+    rebuilt = tensors.put_together(received[0])
+    assert rebuilt.dtype == tensor.dtype and rebuilt.shape == tensor.shape
+    assert torch.equal(rebuilt, tensor)
+    # A sum's gradient travels as its one element, as through the pickler.
+    assert sum(len(piece) for piece in out.pieces[1:]) <= tensor.nbytes
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda: sample(torch.float32, (4, 6)).t(), id="transposed"),
+        pytest.param(lambda: torch.ones(3, requires_grad=True), id="requires-grad"),
+        pytest.param(lambda: sample(torch.bfloat16, (3,)), id="bfloat16"),
+        pytest.param(lambda: torch.ones(2, 2).to_sparse(), id="sparse"),
+        pytest.param(lambda: torch.nn.Parameter(torch.ones(2)), id="parameter"),
+    ],
+)
+def test_any_other_tensor_is_left_to_the_pickler(make):
+    tensor = make()
+    assert tensors.take_apart(tensor) is tensor
+    assert tensors.put_together(tensor) is tensor
+
+
+@pytest.mark.parametrize(
+    "parts, error",
+    [
+        ((0, (2,)), TypeError),
+        ([0, (2,), False, b"\0" * 8], TypeError),
+        ((0, (-2,), False, b"\0" * 8), ValueError),
+        ((0, [2], False, b"\0" * 8), ValueError),
+        ((0, (3,), False, b"\0" * 8), ValueError),  # 8 bytes are not 3 float32s
+        ((0, (5,), True, b""), ValueError),  # no element to expand
+    ],
+)
+def test_parts_that_describe_no_tensor_are_refused(parts, error):
+    with pytest.raises(error):
+        tensors.put_together(parts)
 
 
 # -- packets and the frame reader ----------------------------------------------

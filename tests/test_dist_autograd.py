@@ -11,15 +11,18 @@ autograd tables must be empty again.
 from __future__ import annotations
 
 import os
+import pickle
 import threading
 import time
 from types import SimpleNamespace
 
+import numpy
 import pytest
 import torch
 
 import rrpc
 from harness import Cluster, free_port, mp_context, run_workers
+from rrpc import tensors
 from rrpc.autograd_context import ContextTable, Hooks
 from rrpc.messages import AUTOGRAD_BACKWARD, WorkerInfo
 
@@ -871,11 +874,23 @@ def test_received_tensors_get_a_recv_node_and_their_gradients_go_back_to_the_sen
         key,
     )
     assert sorted(by_index) == [0, 1]
-    assert torch.equal(by_index[0], torch.full((2,), 2.0))  # d loss / d a = w
-    assert torch.equal(by_index[1], torch.full((2,), 6.0))  # d loss / d b = 2 b
+    gradients = {index: tensors.put_together(parts) for index, parts in by_index.items()}
+    assert torch.equal(gradients[0], torch.full((2,), 2.0))  # d loss / d a = w
+    assert torch.equal(gradients[1], torch.full((2,), 6.0))  # d loss / d b = 2 b
     assert torch.equal(context.gradients_copy()[w], torch.ones(2))
     assert w.grad is None
     assert context.recvs == {key: sender} and context.participants == {1: sender}
+
+
+def test_a_gradient_of_another_shape_is_refused_before_anything_is_allocated_for_it():
+    # One element "expanded" to 2**40 of them, for a tensor of 2: made dense
+    # as it came, it would be 4 TiB.
+    element = pickle.PickleBuffer(numpy.ones(1, numpy.float32))
+    parts = (tensors.DTYPE_INDEX[torch.float32], (1 << 40,), True, element)
+    with pytest.raises(
+        ValueError, match=r"shape \(1099511627776,\) came for a tensor of shape \(2,\)"
+    ):
+        rrpc.autograd._arrived(parts, torch.ones(2))
 
 
 def test_a_message_without_tensors_requiring_grad_creates_no_context():
