@@ -10,10 +10,9 @@ tests and for the drain before ``shutdown``.
 A training loop ends a context every step. The releases of ``RELEASE_DELAY``
 go to each participant in one message, sent from the scheduler's thread, so
 that a step's own calls do not share their lane with a release and its reply
-every step (a message and its reply cost ~6 % of a small step);
-``RELEASE_BATCH`` gathered for one participant go at once, from the thread
-that left the block, so a fast loop keeps at most that many ended contexts
-alive on a peer. A flush (timed, full, or asked for) cancels the timer armed
+every step; ``RELEASE_BATCH`` gathered for one participant go at once, from
+the thread that left the block, so a loop of tiny steps keeps at most that
+many ended contexts alive on a peer, and a message names at most that many. A flush (timed, full, or asked for) cancels the timer armed
 for what it took: the next releases wait a delay of their own.
 
 A release is a protocol message: one that fault injection drops is sent
@@ -41,7 +40,7 @@ log = logging.getLogger("rrpc.autograd")
 
 # Releases gathered this long go to each participant in one message (seconds;
 # 0: each at once, from the thread that left the block) ...
-RELEASE_DELAY = 0.02
+RELEASE_DELAY = 0.005
 # ... or as soon as this many are gathered for one participant, from the thread
 # that left the block: what the delay holds on peers stays bounded.
 RELEASE_BATCH = 16

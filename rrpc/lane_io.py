@@ -94,10 +94,15 @@ class Reader:
     caller pauses between calls, sleeps at once as it would without it. A
     wait slept through is measured with its wake-up in it, which can make a
     short wait look long, so one wait in ``PROBE_EVERY`` spins regardless:
-    a reader that stopped spinning starts again once waits are short.
+    a reader that stopped spinning starts again once waits are short. A
+    probe that waits in vain doubles the interval to the next one (up to
+    ``PROBE_MAX``), a short wait sets it back: a caller of long calls (a
+    distributed-autograd step's) spun one wait in eight for nothing, holding
+    a core the callee's computation wanted, ~10 % of such a step here.
     """
 
     PROBE_EVERY = 8
+    PROBE_MAX = 1024
 
     def __init__(self, sock: socket.socket, spin: float = 0.0):
         self._sock = sock
@@ -106,6 +111,7 @@ class Reader:
         self.spin = spin
         self._hits = 1.0  # the share of recent waits that ended within ``spin``
         self._waits = 0
+        self._probe_every = self.PROBE_EVERY  # while spinning is off: one wait in this many spins
 
     def recv(self, timeout_ms: int = -1, wait_first: bool = False) -> bytes | None:
         """Bytes from the socket; None if none came within ``timeout_ms``
@@ -137,7 +143,9 @@ class Reader:
             return
         self._waits += 1
         start = time.perf_counter()
-        if self._hits >= 0.5 or self._waits % self.PROBE_EVERY == 0:
+        spinning = self._hits >= 0.5
+        probe = not spinning and self._waits % self._probe_every == 0
+        if spinning or probe:
             end = start + spin
             while not poll(0):
                 if time.perf_counter() >= end:
@@ -147,6 +155,10 @@ class Reader:
             poll(timeout_ms)
         hit = time.perf_counter() - start < spin
         self._hits += (hit - self._hits) / 4
+        if hit:
+            self._probe_every = self.PROBE_EVERY
+        elif probe:
+            self._probe_every = min(2 * self._probe_every, self.PROBE_MAX)
 
 
 def open_as_caller(

@@ -423,6 +423,29 @@ def test_a_reader_that_stopped_spinning_still_spins_one_wait_in_probe_every():
     theirs.close()
 
 
+def test_a_probe_that_waits_in_vain_doubles_the_interval_and_a_short_wait_resets_it():
+    reader, counting, ours, theirs = _spinning_reader(spin=0.001)
+    reader._hits = 0.0  # long waits lately: spinning is off
+    probed = []
+    for wait in range(1, 129):  # nothing comes: each wait times out
+        counting.looks = 0
+        reader._wait(2)
+        if counting.looks:
+            probed.append(wait)
+    assert probed == [8, 16, 32, 64, 128]
+    # A short wait (the bytes are there): probes come one wait in PROBE_EVERY again.
+    theirs.sendall(b"x")
+    assert reader.recv(timeout_ms=1000, wait_first=True) == b"x"
+    probed = []
+    for _ in range(2 * lane_io.Reader.PROBE_EVERY):
+        counting.looks = 0
+        reader._wait(2)
+        probed.append(counting.looks > 0)
+    assert sum(probed) == 2, probed
+    ours.close()
+    theirs.close()
+
+
 def test_a_reader_without_spin_never_looks_without_sleeping():
     reader, counting, ours, theirs = _spinning_reader(spin=0.0)
     theirs.sendall(b"x")
