@@ -12,8 +12,9 @@ go to each participant in one message, sent from the scheduler's thread, so
 that a step's own calls do not share their lane with a release and its reply
 every step; ``RELEASE_BATCH`` gathered for one participant go at once, from
 the thread that left the block, so a loop of tiny steps keeps at most that
-many ended contexts alive on a peer, and a message names at most that many. A flush (timed, full, or asked for) cancels the timer armed
-for what it took: the next releases wait a delay of their own.
+many ended contexts alive on a peer, and a message names at most that many.
+A flush (timed, full, or asked for) cancels the timer armed for what it
+took: the next releases wait a delay of their own.
 
 A release is a protocol message: one that fault injection drops is sent
 again (``Agent.send_reliably``); one that fails (a peer gone) is logged at
