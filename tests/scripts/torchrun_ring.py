@@ -10,6 +10,7 @@ Each worker prints one line:
 """
 
 import os
+import sys
 import threading
 
 import torch
@@ -43,10 +44,12 @@ def main():
     here = rrpc.rpc_async(rrpc.get_worker_info(), torch.add, args=(rank, 100)).wait()
     calls = [rrpc.rpc_sync(target, count_call) for _ in range(2)]
     rrpc.shutdown()
-    print(
-        f"RING rank={rank} world={world_size} next={name} sum={total:g} self={here} calls={calls}",
-        flush=True,
+    # One write with its newline (print writes the newline apart): the ranks
+    # share torchrun's pipe, and a line under PIPE_BUF goes into it whole.
+    sys.stdout.write(
+        f"RING rank={rank} world={world_size} next={name} sum={total:g} self={here} calls={calls}\n"
     )
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
