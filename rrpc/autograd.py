@@ -63,7 +63,6 @@ gradients for a context gives the optimizer no gradients instead of an error.
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -91,8 +90,6 @@ except ImportError:  # another torch: the public function
     _engine_run_backward = None  # type: ignore[assignment]
 
 __all__ = ["backward", "context", "get_gradients", "is_available"]
-
-log = logging.getLogger("rrpc.autograd")
 
 
 def _service() -> Autograd:
