@@ -98,7 +98,7 @@ class Reader:
     probe that waits in vain doubles the interval to the next one (up to
     ``PROBE_MAX``), a short wait sets it back: a caller of long calls (a
     distributed-autograd step's) spun one wait in eight for nothing, holding
-    a core the callee's computation wanted, ~10 % of such a step here.
+    a core the callee's computation wanted (~3 % of such a step here).
     """
 
     PROBE_EVERY = 8

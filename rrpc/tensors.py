@@ -275,9 +275,10 @@ def take_apart(tensor: torch.Tensor) -> Any:
     For a message that knows where its tensors are (distributed autograd's
     gradients): the C pickler writes a tuple and a ``PickleBuffer`` without
     calling back into Python, and the receiver rebuilds the tensor where it
-    uses it, not inside ``loads`` (~70 µs less per gradient message between
-    two processes here, ~10 µs in a loop). A sum's gradient (one element
-    expanded) travels as that element, as through ``reduce_tensor``."""
+    uses it, not inside ``loads`` (in a running step here, the message's
+    encode and decode ~90 µs less, the handler's rebuild ~30 µs more). A
+    sum's gradient (one element expanded) travels as that element, as
+    through ``reduce_tensor``; gradients that share a storage travel apart."""
     if type(tensor) is not torch.Tensor or tensor.layout is not torch.strided:
         return tensor
     dtype_index = DTYPE_INDEX.get(tensor.dtype)
