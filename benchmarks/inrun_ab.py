@@ -12,7 +12,8 @@ same machine state, and the block-by-block ratio says which is faster.
         --b "import rrpc.lane_io as L; L.Reader.PROBE_MAX = 1024"
 
 The step is `bench.py`'s `dist_autograd` (a `Linear(512, 512)` on the server,
-its forward, the distributed backward, a `DistributedOptimizer` step). Prints
+its forward, the distributed backward, a `DistributedOptimizer` step), as
+`wakes.py` builds it. Prints
 each block's steps/s for A and B, their medians, and the median of B ÷ A
 over the pairs of blocks (A then B, B then A, alternately). A snippet runs
 once per block on each side it is meant for (`--side`), before that block's
@@ -26,15 +27,9 @@ import os
 import statistics
 import time
 
-import torch
 import torch.multiprocessing as mp
 from bench import free_port
-
-
-def param_rrefs(module_rref):
-    import rrpc
-
-    return [rrpc.RRef(param) for param in module_rref.local_value().parameters()]
+from wakes import autograd_step
 
 
 def run_snippet(code: str) -> None:
@@ -43,22 +38,11 @@ def run_snippet(code: str) -> None:
 
 def _worker(rank: int, port: int, args: argparse.Namespace) -> None:
     import rrpc
-    import rrpc.autograd as dist_autograd
-    from rrpc.optim import DistributedOptimizer
 
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     rrpc.init_rpc(["client", "server"][rank], rank=rank, world_size=2)
     if rank == 0:
-        module = rrpc.remote("server", torch.nn.Linear, args=(512, 512))
-        params = rrpc.rpc_sync("server", param_rrefs, args=(module,))
-        optimizer = DistributedOptimizer(torch.optim.SGD, params, lr=0.01)
-        x = torch.randn(32, 512)
-
-        def step() -> None:
-            with dist_autograd.context() as context_id:
-                loss = module.rpc_sync().forward(x).sum()
-                dist_autograd.backward(context_id, [loss])
-                optimizer.step(context_id)
+        step = autograd_step(rrpc)
 
         def switch(code: str) -> None:
             if args.side in ("both", "client"):
