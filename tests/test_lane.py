@@ -410,15 +410,23 @@ def test_a_reader_stops_spinning_after_long_waits_and_spins_again_after_short_on
     theirs.close()
 
 
+def _probed(reader, counting, waits, timeout_ms):
+    """Which of ``waits`` waits in a row (numbered from 1) looked without
+    sleeping first; nothing comes, so each times out after ``timeout_ms``."""
+    probed = []
+    for wait in range(1, waits + 1):
+        counting.looks = 0
+        reader._wait(timeout_ms)
+        if counting.looks:
+            probed.append(wait)
+    return probed
+
+
 def test_a_reader_that_stopped_spinning_still_spins_one_wait_in_probe_every():
     reader, counting, ours, theirs = _spinning_reader(spin=0.001)
     reader._hits = 0.0  # long waits lately: spinning is off
-    spun = []
-    for _ in range(2 * lane_io.Reader.PROBE_EVERY):  # nothing comes: each wait times out
-        counting.looks = 0
-        reader._wait(5)
-        spun.append(counting.looks > 0)
-    assert sum(spun) == 2, spun
+    spun = _probed(reader, counting, 2 * lane_io.Reader.PROBE_EVERY, 5)
+    assert len(spun) == 2, spun
     ours.close()
     theirs.close()
 
@@ -426,22 +434,12 @@ def test_a_reader_that_stopped_spinning_still_spins_one_wait_in_probe_every():
 def test_a_probe_that_waits_in_vain_doubles_the_interval_and_a_short_wait_resets_it():
     reader, counting, ours, theirs = _spinning_reader(spin=0.001)
     reader._hits = 0.0  # long waits lately: spinning is off
-    probed = []
-    for wait in range(1, 129):  # nothing comes: each wait times out
-        counting.looks = 0
-        reader._wait(2)
-        if counting.looks:
-            probed.append(wait)
-    assert probed == [8, 16, 32, 64, 128]
+    assert _probed(reader, counting, 128, 2) == [8, 16, 32, 64, 128]
     # A short wait (the bytes are there): probes come one wait in PROBE_EVERY again.
     theirs.sendall(b"x")
     assert reader.recv(timeout_ms=1000, wait_first=True) == b"x"
-    probed = []
-    for _ in range(2 * lane_io.Reader.PROBE_EVERY):
-        counting.looks = 0
-        reader._wait(2)
-        probed.append(counting.looks > 0)
-    assert sum(probed) == 2, probed
+    probed = _probed(reader, counting, 2 * lane_io.Reader.PROBE_EVERY, 2)
+    assert len(probed) == 2, probed
     ours.close()
     theirs.close()
 
