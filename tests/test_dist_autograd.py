@@ -22,8 +22,9 @@ import torch
 
 import rrpc
 from harness import Cluster, free_port, mp_context, run_workers
-from rrpc import tensors
+from rrpc import autograd_release, tensors
 from rrpc.autograd_context import ContextTable, Hooks
+from rrpc.autograd_release import Releases
 from rrpc.messages import AUTOGRAD_BACKWARD, WorkerInfo
 
 ATOL = 1e-6
@@ -898,6 +899,56 @@ def test_a_message_without_tensors_requiring_grad_creates_no_context():
     hooks = Hooks(table, rrpc.autograd._receive)
     hooks.tensor_hook((1 << 48) + 1, WorkerInfo("worker1", 1), (1, 1, False))  # never called
     assert table.find((1 << 48) + 1) is None
+
+
+class _ReleaseAgent:
+    """What ``Releases`` uses of an agent: a scheduler whose timers are only
+    recorded, and a ``send_reliably`` that records each release message."""
+
+    def __init__(self):
+        self.info = WorkerInfo("worker0", 0)
+        self.options = SimpleNamespace(rpc_timeout=10.0)
+        self.timers = []
+        self.sent = []
+        self.scheduler = SimpleNamespace(call_later=self._call_later)
+
+    def _call_later(self, delay, fn):
+        timer = SimpleNamespace(cancelled=False)
+        timer.cancel = lambda: setattr(timer, "cancelled", True)
+        self.timers.append(timer)
+        return timer
+
+    def send_reliably(self, peer, kind, releases, timeout, what):
+        self.sent.append((peer.name, [context_id for context_id, _ in releases]))
+        return None  # not tracked: nothing to wait for
+
+
+def _ended_context(table, peer):
+    context = table.create()
+    context.record_recv((peer.id, context.context_id, False), peer)
+    return context.context_id
+
+
+def test_a_flush_cancels_the_timer_armed_for_what_it_took():
+    agent, table, peer = _ReleaseAgent(), ContextTable(rank=0), WorkerInfo("worker1", 1)
+    releases = Releases(agent, table)
+    first = _ended_context(table, peer)
+    releases.release(first)  # the first gathered: a timer is armed for it
+    releases.flush()  # early (a drain): the timer must not send the next ones early
+    second = _ended_context(table, peer)
+    releases.release(second)
+    assert agent.sent == [("worker1", [first])]
+    assert [timer.cancelled for timer in agent.timers] == [True, False]
+
+
+def test_releases_for_one_participant_go_at_once_when_a_batch_is_gathered():
+    agent, table, peer = _ReleaseAgent(), ContextTable(rank=0), WorkerInfo("worker1", 1)
+    releases = Releases(agent, table)
+    ended = [_ended_context(table, peer) for _ in range(autograd_release.RELEASE_BATCH + 1)]
+    for context_id in ended:
+        releases.release(context_id)
+    assert agent.sent == [("worker1", ended[:-1])]
+    assert releases.pending() == 1  # the last waits for its timer
 
 
 def test_send_records_keep_the_sent_tensors_until_release():
