@@ -65,6 +65,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from rrpc import copies
 from rrpc._proto.rrpc_pb2 import SharedBuffer
 
 HEADER = 64
@@ -146,7 +147,7 @@ class SenderPool:
         segment = self._acquire(size, holder)
         if segment is None:
             return None
-        segment.array[HEADER : HEADER + size] = np.frombuffer(raw, dtype=np.uint8)
+        copies.copy_bytes(segment.array[HEADER : HEADER + size], raw)
         if unseen is not None:
             unseen.add(segment)
         return SharedBuffer(segment=segment.name, offset=HEADER, size=size)
@@ -174,7 +175,7 @@ class SenderPool:
             weakref.finalize(data, _unhold, segment.array)
             return torch.from_numpy(data)
         copy = np.empty(shared.size, dtype=np.uint8)
-        copy[:] = data
+        copies.copy_bytes(copy, data)
         segment.array[1] = 0
         return torch.from_numpy(copy)
 
