@@ -21,12 +21,14 @@ sleep until a part is handed to them.
 A part that no helper took yet by the time the caller finished its own is
 copied by the caller: a copy waits for a helper only while that helper
 copies one of its parts, so it is never much slower than one thread's copy
-when every helper is busy with another caller's, and a process forked with
-the helpers' count but not their threads copies everything itself.
+when every helper is busy with another caller's. A forked child starts
+helpers of its own (its parent's are not in it, and their lock may have
+been held at the fork).
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 
@@ -88,6 +90,14 @@ class _Helpers:
 
 
 _helpers = _Helpers()
+
+
+def _new_helpers_after_fork() -> None:
+    global _helpers
+    _helpers = _Helpers()
+
+
+os.register_at_fork(after_in_child=_new_helpers_after_fork)
 
 
 def copy_bytes(target: np.ndarray, source: np.ndarray | memoryview | bytes) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import threading
 
 import numpy as np
@@ -91,6 +92,21 @@ def test_a_helper_copies_a_part_handed_to_it_and_keeps_its_error_for_the_caller(
     copies._helpers.hand([failing])
     assert failing.done.wait(30)
     assert isinstance(failing.error, ValueError)
+
+
+def _copy_in_child(size: int) -> bool:
+    source = _bytes(size, 3)
+    target = np.zeros(size, dtype=np.uint8)
+    copies.copy_bytes(target, source)
+    return np.array_equal(target, source) and copies._helpers._count > 0
+
+
+def test_a_forked_child_copies_with_helpers_of_its_own(small_parts):
+    copies.copy_bytes(np.zeros(1 << 20, dtype=np.uint8), _bytes(1 << 20))  # helpers here
+    # Forked while another thread holds the helpers' lock: the child's copy
+    # must neither wait for that lock nor for its parent's helper threads.
+    with copies._helpers._lock, multiprocessing.get_context("fork").Pool(1) as pool:
+        assert pool.apply_async(_copy_in_child, (1 << 20,)).get(timeout=60)
 
 
 def test_an_error_in_a_part_is_raised_in_the_caller(small_parts, monkeypatch):
