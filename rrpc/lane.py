@@ -33,7 +33,8 @@ user: ``lane_key``) carry their calls over a lane:
 - **Neither end sleeps at once.** Whoever waits on the socket (a leader, the
   reader thread, the callee's reader) looks for bytes without sleeping for up
   to ``lane_spin`` first, while its recent waits were that short
-  (``lane_io.Reader``): a wake-up is what a round trip here would cost most.
+  (``lane_io.Reader``, yielding the CPU at each look past the first 50 µs):
+  a wake-up is what a round trip here would cost most.
 - **Callee.** Two threads take turns reading the lane (``turns.TakeTurns``,
   as on a gRPC stream): the one that read a lone request runs it itself,
   lending it the read role, and reads the next one when it is done (its

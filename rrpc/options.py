@@ -64,7 +64,8 @@ class RpcBackendOptions:
         lane_spin: seconds a lane's reader keeps looking for bytes before it
             sleeps, while its recent waits were that short (env ``RRPC_LANE_SPIN``;
             0: always sleep at once). A reply or request caught this way costs no
-            wake-up (see ``rrpc/lane_io.py``), at the price of that much CPU.
+            wake-up (see ``rrpc/lane_io.py``); past its first 50 µs a look yields
+            the CPU to any thread that wants it, so the spin takes idle CPU only.
         bulk_channel: carry the large tensor buffers of a gRPC stream (1 MiB or
             more in one message) on a TCP socket beside it, sent from and received
             into the tensors' memory (env ``RRPC_BULK``; see ``rrpc/bulk.py``).
@@ -109,7 +110,7 @@ class RpcBackendOptions:
     batch_min_open: int = 16
     run_inline: bool = field(default_factory=lambda: _env_flag("RRPC_INLINE", True))
     same_host_lane: bool = field(default_factory=lambda: _env_flag("RRPC_LANE", True))
-    lane_spin: float = field(default_factory=lambda: _env_float("RRPC_LANE_SPIN", 200e-6))
+    lane_spin: float = field(default_factory=lambda: _env_float("RRPC_LANE_SPIN", 1e-3))
     bulk_channel: bool = field(default_factory=lambda: _env_flag("RRPC_BULK", True))
     bulk_sockets: int = field(default_factory=lambda: int(os.environ.get("RRPC_BULK_SOCKETS") or 2))
     peer_timeout: float = field(default_factory=lambda: _env_float("RRPC_PEER_TIMEOUT", 8.0))

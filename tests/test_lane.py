@@ -14,6 +14,7 @@ import stat
 import struct
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -388,6 +389,41 @@ def test_a_reader_catches_bytes_that_come_while_it_spins_without_sleeping():
     assert counting.looks > 0 and counting.sleeps == 0
     ours.close()
     theirs.close()
+
+
+def test_a_spin_yields_the_cpu_at_each_look_after_its_first_moments(monkeypatch):
+    # Past SPIN_ALONE, a thread that wants this CPU (the computation the
+    # reader waits for, a third process) gets it at every look.
+    looks: list[tuple[float, bool]] = []  # (when, yielded before it)
+    yielded = [False]
+
+    def sched_yield():
+        yielded[0] = True
+
+    reader, counting, ours, theirs = _spinning_reader(spin=0.02)
+    poll = counting.poll
+
+    def noting_poll(timeout):
+        looks.append((time.perf_counter(), yielded[0]))
+        yielded[0] = False
+        return poll(timeout)
+
+    counting.poll = noting_poll
+    monkeypatch.setattr(lane_io.os, "sched_yield", sched_yield)
+    start = time.perf_counter()
+    reader._wait(1)  # nothing comes: it spins all of spin, then sleeps out 1 ms
+    spun = [(when - start, before) for when, before in looks[:-1]]  # the last: the sleep
+    assert any(before for _, before in spun)
+    first_yield = min(when for when, before in spun if before)
+    assert first_yield >= lane_io.Reader.SPIN_ALONE
+    assert all(before for when, before in spun if when > first_yield)
+    # A spin shorter than SPIN_ALONE never yields.
+    reader, counting, ours2, theirs2 = _spinning_reader(spin=lane_io.Reader.SPIN_ALONE / 2)
+    yielded[0] = False
+    reader._wait(1)
+    assert counting.looks > 0 and not yielded[0]
+    for sock in (ours, theirs, ours2, theirs2):
+        sock.close()
 
 
 def test_a_reader_stops_spinning_after_long_waits_and_spins_again_after_short_ones():
