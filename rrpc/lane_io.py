@@ -96,12 +96,19 @@ class Reader:
     longer waits (a forward pass, a 1 MiB echo, a reply behind another
     process's turn on the CPU) slept and paid the wake-up. Measured inside
     one run, alternating block by block with that rule (200 µs, never
-    yielding): the distributed-autograd step 0.93-1.21x (four runs, median
+    yielding): the distributed-autograd step 0.93-1.21x (six runs, median
     1.08x), the RL example (three processes on two cores) 1.06-1.25x, 64
     threads' calls 1.16-1.28x, 64 in flight 1.02-1.03x, `remote().to_here()`
     1.04-1.07x, a no-op call 1.03-1.04x, a 1 MiB echo 1.09x, 64 KiB and 512
-    KiB echoes 0.99-1.01x, a 4 KiB echo 0.99x, the parameter server (three
-    processes) 0.94-1.04x (four runs, median 0.99x); every echo's p99 lower.
+    KiB echoes 0.99-1.01x, a 4 KiB echo 0.99x; every echo's p99 lower. The
+    parameter server (two trainers and a server on two saturated cores)
+    0.94-1.04x (six runs, median 0.96x), likely because a spinning thread,
+    yielding or not, keeps its CPU from looking idle to the scheduler, which
+    places a woken thread on an idle CPU first (napping 1 µs between looks
+    instead of yielding: 0.97x there too). Spinning only at the caller's end kept the
+    parameter server whole (1.03x) but lost the autograd step's gain (0.97x)
+    and 64 threads' (0.99x): the callee's waits between a caller's requests
+    are what those lose to wake-ups.
 
     A reader spins only while most of its recent waits ended within
     ``spin`` (``_hits``, a moving average): a caller waiting on long calls,
