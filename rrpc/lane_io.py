@@ -98,7 +98,7 @@ class Reader:
     one run, alternating block by block with that rule (200 µs, never
     yielding): the distributed-autograd step 0.93-1.21x (six runs, median
     1.08x), the RL example (three processes on two cores) 1.06-1.25x, 64
-    threads' calls 1.16-1.28x, 64 in flight 1.02-1.03x, `remote().to_here()`
+    threads' calls 1.10-1.28x, 64 in flight 0.98-1.06x, `remote().to_here()`
     1.04-1.07x, a no-op call 1.03-1.04x, a 1 MiB echo 1.09x, 64 KiB and 512
     KiB echoes 0.99-1.01x, a 4 KiB echo 0.99x; every echo's p99 lower. The
     parameter server (two trainers and a server on two saturated cores)
