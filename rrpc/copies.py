@@ -107,8 +107,9 @@ def copy_bytes(target: np.ndarray, source: np.ndarray | memoryview | bytes) -> N
     size = len(target)
     if size != len(source):
         raise ValueError(f"copy of {len(source)} bytes into {size}")
-    count = min(torch.get_num_threads(), MAX_PARTS, size // (PARALLEL_MIN // 2))
-    if size < PARALLEL_MIN or count < 2:
+    parts_max = size // (PARALLEL_MIN // 2)  # parts of PARALLEL_MIN / 2 or more
+    count = min(torch.get_num_threads(), MAX_PARTS, parts_max) if parts_max >= 2 else 1
+    if count < 2:  # the commonest: one slot's copy of less than PARALLEL_MIN
         target[:] = source
         return
     step = -(-size // count // _ALIGN) * _ALIGN
