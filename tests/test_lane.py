@@ -372,26 +372,39 @@ class _CountingPoller:
         return self._poller.poll(timeout)
 
 
-def _spinning_reader(spin):
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    ours.setblocking(False)
-    reader = lane_io.Reader(ours, spin=spin)
-    counting = reader._poller = _CountingPoller(reader._poller)
-    return reader, counting, ours, theirs
+@pytest.fixture
+def spinning_reader():
+    """``make(spin, stopped=False)``: a lane reader on one end of a socket
+    pair, its poller counting (``_CountingPoller``), and the other end;
+    ``stopped``: its recent waits were long (spinning off). Both ends are
+    closed after the test, whatever its outcome."""
+    sockets: list[socket.socket] = []
+
+    def make(spin, stopped=False):
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        sockets.extend((ours, theirs))
+        ours.setblocking(False)
+        reader = lane_io.Reader(ours, spin=spin)
+        counting = reader._poller = _CountingPoller(reader._poller)
+        if stopped:
+            reader._hits = 0.0
+        return reader, counting, theirs
+
+    yield make
+    for sock in sockets:
+        sock.close()
 
 
-def test_a_reader_catches_bytes_that_come_while_it_spins_without_sleeping():
-    reader, counting, ours, theirs = _spinning_reader(spin=5.0)  # far longer than the write takes
+def test_a_reader_catches_bytes_that_come_while_it_spins_without_sleeping(spinning_reader):
+    reader, counting, theirs = spinning_reader(spin=5.0)  # far longer than the write takes
     writer = threading.Thread(target=theirs.sendall, args=(b"reply",))
     writer.start()
     assert reader.recv(timeout_ms=10_000, wait_first=True) == b"reply"
     writer.join()
     assert counting.looks > 0 and counting.sleeps == 0
-    ours.close()
-    theirs.close()
 
 
-def test_a_spin_yields_the_cpu_at_each_look_after_its_first_moments(monkeypatch):
+def test_a_spin_yields_the_cpu_at_each_look_after_its_first_moments(spinning_reader, monkeypatch):
     # Past SPIN_ALONE, a thread that wants this CPU (the computation the
     # reader waits for, a third process) gets it at every look.
     looks: list[tuple[float, bool]] = []  # (when, yielded before it)
@@ -400,7 +413,7 @@ def test_a_spin_yields_the_cpu_at_each_look_after_its_first_moments(monkeypatch)
     def sched_yield():
         yielded[0] = True
 
-    reader, counting, ours, theirs = _spinning_reader(spin=0.02)
+    reader, counting, theirs = spinning_reader(spin=0.02)
     poll = counting.poll
 
     def noting_poll(timeout):
@@ -418,16 +431,14 @@ def test_a_spin_yields_the_cpu_at_each_look_after_its_first_moments(monkeypatch)
     assert first_yield >= lane_io.Reader.SPIN_ALONE
     assert all(before for when, before in spun if when > first_yield)
     # A spin shorter than SPIN_ALONE never yields.
-    reader, counting, ours2, theirs2 = _spinning_reader(spin=lane_io.Reader.SPIN_ALONE / 2)
+    reader, counting, _ = spinning_reader(spin=lane_io.Reader.SPIN_ALONE / 2)
     yielded[0] = False
     reader._wait(1)
     assert counting.looks > 0 and not yielded[0]
-    for sock in (ours, theirs, ours2, theirs2):
-        sock.close()
 
 
-def test_a_reader_stops_spinning_after_long_waits_and_spins_again_after_short_ones():
-    reader, counting, ours, theirs = _spinning_reader(spin=0.002)
+def test_a_reader_stops_spinning_after_long_waits_and_spins_again_after_short_ones(spinning_reader):
+    reader, counting, theirs = spinning_reader(spin=0.002)
     # Nothing comes: the first wait spins (no waits seen yet), then sleeps out the timeout.
     assert reader.recv(timeout_ms=50, wait_first=True) is None
     assert counting.looks > 0 and counting.sleeps > 0
@@ -442,8 +453,6 @@ def test_a_reader_stops_spinning_after_long_waits_and_spins_again_after_short_on
     counting.looks = 0
     assert reader.recv(timeout_ms=50, wait_first=True) is None
     assert counting.looks > 0
-    ours.close()
-    theirs.close()
 
 
 def _probed(reader, counting, waits, timeout_ms):
@@ -458,36 +467,30 @@ def _probed(reader, counting, waits, timeout_ms):
     return probed
 
 
-def test_a_reader_that_stopped_spinning_still_spins_one_wait_in_probe_every():
-    reader, counting, ours, theirs = _spinning_reader(spin=0.001)
-    reader._hits = 0.0  # long waits lately: spinning is off
+def test_a_reader_that_stopped_spinning_still_spins_one_wait_in_probe_every(spinning_reader):
+    reader, counting, _ = spinning_reader(0.001, stopped=True)  # long waits lately
     spun = _probed(reader, counting, 2 * lane_io.Reader.PROBE_EVERY, 5)
     assert len(spun) == 2, spun
-    ours.close()
-    theirs.close()
 
 
-def test_a_probe_that_waits_in_vain_doubles_the_interval_and_a_short_wait_resets_it():
-    reader, counting, ours, theirs = _spinning_reader(spin=0.001)
-    reader._hits = 0.0  # long waits lately: spinning is off
+def test_a_probe_that_waits_in_vain_doubles_the_interval_and_a_short_wait_resets_it(
+    spinning_reader,
+):
+    reader, counting, theirs = spinning_reader(0.001, stopped=True)  # long waits lately
     assert _probed(reader, counting, 128, 2) == [8, 16, 32, 64, 128]
     # A short wait (the bytes are there): probes come one wait in PROBE_EVERY again.
     theirs.sendall(b"x")
     assert reader.recv(timeout_ms=1000, wait_first=True) == b"x"
     probed = _probed(reader, counting, 2 * lane_io.Reader.PROBE_EVERY, 2)
     assert len(probed) == 2, probed
-    ours.close()
-    theirs.close()
 
 
-def test_a_reader_without_spin_never_looks_without_sleeping():
-    reader, counting, ours, theirs = _spinning_reader(spin=0.0)
+def test_a_reader_without_spin_never_looks_without_sleeping(spinning_reader):
+    reader, counting, theirs = spinning_reader(spin=0.0)
     theirs.sendall(b"x")
     assert reader.recv(timeout_ms=1000, wait_first=True) == b"x"
     assert reader.recv(timeout_ms=20) is None
     assert counting.looks == 0 and counting.sleeps > 0
-    ours.close()
-    theirs.close()
 
 
 def test_lane_spin_is_an_option_and_an_environment_variable(monkeypatch):
