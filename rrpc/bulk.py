@@ -32,9 +32,8 @@ TensorPipe's tensors travel on channels beside its transport:
   allocates its buffers, each fills its share, the last one done hands them
   on; the stream's frame reader takes them when it reaches the frame
   (``Channel.claim``), and the tensors are built over them, with no copy.
-  Several, as TensorPipe's ``mpt_uv`` lanes: one TCP stream is slower than
-  the link (a 16 MiB echo between two network namespaces: 15–20 ms on one
-  stream, 8.4–11.7 ms on two).
+  Several, as TensorPipe's ``mpt_uv`` lanes: one TCP stream is slower than the
+  link (a 16 MiB echo between two network namespaces: 15–20 ms on one, 8.4–11.7 on two).
 - Bound, the sockets belong to their stream: when any ends, the stream and
   the others end too, and its calls fail as on a broken stream (a dial that
   fails before then leaves the frames whole). A claim waits while bytes
@@ -100,9 +99,7 @@ KEY_SIZE = 16
 MAX_SOCKETS = MAX_BULK_SOCKETS  # bulk sockets of one stream, at most (``bulk_sockets``)
 _NAMING = struct.Struct("<BB")  # after the key: this socket's index, and the count
 FIND_WAIT = 5.0  # seconds a dialer's stream has to reach the callee (it dials at once)
-# One transfer on the socket: its id, its count of buffers, then each size;
-# then the buffers' bytes, in order.
-_TRANSFER = struct.Struct("<QI")
+_TRANSFER = struct.Struct("<QI")  # a transfer: id, buffer count; each size; their bytes
 _SIZE = struct.Struct("<Q")
 _RECV_SLICE = 4 << 20  # bytes per recv_into, so that a claim sees progress
 RECYCLE_MIN = 32 << 20  # a received buffer this large reuses freed memory (see the rules)
@@ -247,8 +244,10 @@ class Channel:
     def send(self, pieces: list[Any], put: Callable[[list[Any]], None]) -> bool:
         """Put a frame on the stream with ``put``: its buffers on the sockets
         (and the frame marked so) when they are bound and the buffers large.
-        Whether they went there."""
-        if len(pieces) < 2 or sum(len(buffer) for buffer in pieces[1:]) < BULK_MIN:
+        Whether they went there. One that names shared-memory buffers too
+        goes whole (a bulk frame cannot; its others are under the slots' size)."""
+        large = len(pieces) > 1 and sum(len(buffer) for buffer in pieces[1:]) >= BULK_MIN
+        if not large or wire.names_shared_buffers(pieces[0]):
             put(pieces)
             return False
         if not self.bound:

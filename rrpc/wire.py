@@ -481,6 +481,17 @@ class FrameReader:
         return frame
 
 
+def names_shared_buffers(first: bytes) -> bool:
+    """Whether a frame (its first piece) names shared-memory buffers: only
+    a protobuf envelope can (``codec.encode`` writes one for them)."""
+    (word,) = HEADER.unpack_from(first)
+    if word & COMPACT:
+        return False
+    envelope = Envelope()
+    envelope.ParseFromString(first[HEADER.size : HEADER.size + word])
+    return bool(envelope.shared_buffers)
+
+
 def with_bulk(first: bytes, transfer: int) -> bytes:
     """A frame's first piece (header, envelope, payload) with its envelope's
     ``bulk`` set to ``transfer``: its buffers go on the bulk socket instead."""

@@ -23,7 +23,7 @@ import torch
 import rrpc
 from harness import mp_context, run_workers
 from rrpc import auth, bulk, streams, wire
-from rrpc._proto.rrpc_pb2 import Envelope
+from rrpc._proto.rrpc_pb2 import Envelope, SharedBuffer
 from rrpc.agent import current_agent
 from rrpc.messages import AuthenticationError, ProtocolError
 
@@ -197,6 +197,22 @@ def test_small_frames_stay_whole_in_the_stream():
         assert ends.a.send(frame, ends.stream.append) is False
         assert ends.stream == [frame]
         assert ends.a.send([b"no buffers"], ends.stream.append) is False
+    finally:
+        ends.close()
+
+
+def test_a_frame_naming_shared_memory_buffers_stays_whole_in_the_stream():
+    # Same host, the lane off: one tensor in a slot, 1 MiB of smaller ones
+    # streamed. A bulk frame cannot name slots (its reader refuses one).
+    ends = _Ends()
+    try:
+        frame = _frame(_random(bulk.BULK_MIN, 3), _random(0, 4))
+        envelope = _envelope(frame[0])
+        envelope.shared_buffers[1].CopyFrom(SharedBuffer(segment="1/2", offset=64, size=9))
+        head = envelope.SerializeToString()
+        frame[0] = wire.HEADER.pack(len(head)) + head + b"pay"
+        assert ends.a.send(frame, ends.stream.append) is False
+        assert ends.stream == [frame]
     finally:
         ends.close()
 
@@ -479,6 +495,28 @@ def test_large_tensors_echo_exactly_over_the_bulk_socket(sockets):
     count = 2 if sockets is None else int(sockets)
     assert threads.count("rrpc-bulk-recv-worker1") == count
     assert threads.count("rrpc-bulk-send-worker1") == count
+
+
+def _slot_and_streamed(rank, world_size):
+    if rank != 0:
+        return None
+    big = torch.arange(100_000, dtype=torch.float32)  # 400 KB: a shared-memory slot
+    small = [torch.full((60_000,), float(i)) for i in range(5)]  # 1.2 MB in the stream
+    # The first call asks for the bulk socket; the later ones find it bound.
+    return [
+        all(
+            torch.equal(a, b)
+            for a, b in zip(
+                rrpc.rpc_sync("worker1", _echo, args=((big, *small),)), (big, *small), strict=True
+            )
+        )
+        for _ in range(4)
+    ]
+
+
+def test_a_message_with_a_slot_and_a_streamed_megabyte_crosses_a_same_host_grpc_stream():
+    # The lane off, shared memory on: its frame names a slot, so it stays whole.
+    assert run_workers(_slot_and_streamed, env={"RRPC_LANE": "0"})[0] == [True] * 4
 
 
 def _recycled_echoes(rank, world_size):
