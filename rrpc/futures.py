@@ -19,6 +19,9 @@ there, as in torch. Transport threads say so with
 ``messages.mark_transport_thread()``. A future with user callbacks is also
 completed off the transport thread as a whole (``settle``), so that its
 callbacks keep torch's order: registration order, one after another.
+``torch.futures.collect_all`` combines futures in C++, out of reach of these
+wrappers: over rrpc's futures it is ``collect_all`` below (``init_rpc``
+installs it), whose callbacks run off the transport too.
 
 Internal callbacks (the RRef and autograd protocols) are registered on the
 torch base class's methods and run where the future completes: they never
@@ -138,22 +141,45 @@ class Future(torch.futures.Future):
     _failing = False  # torch's set_exception sets the error through set_result
 
     def set_result(self, value: Any) -> None:
-        super().set_result(value)
-        if not self._failing:
-            self._finish((value, None))
+        if self._failing:
+            super().set_result(value)
+        else:
+            self._complete((value, None), super().set_result, value)
 
     def set_exception(self, error: BaseException) -> None:
+        self._complete((None, error), self._set_error, error)
+
+    def _set_error(self, error: BaseException) -> None:
         self._failing = True
         try:
             super().set_exception(error)
         finally:
             self._failing = False
-        self._finish((None, error))
 
-    def _finish(self, outcome: tuple[Any, BaseException | None]) -> None:
+    def done(self) -> bool:
+        return self._outcome is not None or super().done()
+
+    def _complete(
+        self, outcome: tuple[Any, BaseException | None], complete: Callable[[Any], None], arg: Any
+    ) -> None:
+        """Keep the outcome, complete the torch future (``complete(arg)``:
+        its waiters wake), then run the callbacks registered before. The
+        outcome is kept first: a waiter that woke and adds a callback finds
+        the future done and runs it at once, as torch runs one added to a
+        completed future."""
         with _pending_lock:
-            self._outcome = outcome
-            pending, self._pending = self._pending, None
+            if self._outcome is not None:
+                pending = None  # completed already: torch raises
+            else:
+                self._outcome = outcome
+                pending, self._pending = self._pending, None
+        try:
+            complete(arg)
+        except BaseException:
+            if pending is not None or self._outcome is outcome:
+                with _pending_lock:  # refused (completed by other means): as it was
+                    self._outcome, self._pending = None, pending
+            raise
         for run in pending or ():
             _run_logged(run, self)
 
@@ -425,3 +451,46 @@ def values_of(futures: list[torch.futures.Future]) -> list[Any]:
     if error is not None:
         raise error
     return results
+
+
+# -- torch.futures.collect_all over rrpc's futures ----------------------------------
+_torch_collect_all = torch.futures.collect_all
+
+
+def collect_all(futures: list[torch.futures.Future]) -> torch.futures.Future:
+    """``torch.futures.collect_all``, put in its place by ``install_collect_all``.
+
+    torch's combines the futures in C++ and completes the combination where
+    the last of them completes: for rrpc's, on the thread that read the last
+    reply, where a ``then`` callback of the combination would run, and wait
+    for ever if it made an RPC to the same peer (its reply is that thread's to
+    read). A list holding an rrpc ``Future`` gets an rrpc ``Future`` instead,
+    whose callbacks run off the transport; as torch's, it is done when all
+    are, with the list of futures, or with the first error met."""
+    futures = list(futures)
+    if not any(isinstance(future, Future) for future in futures):
+        return _torch_collect_all(futures)
+    combined = Future()
+    lock = threading.Lock()
+    remaining, first_error = [len(futures)], [None]
+
+    def done(future: torch.futures.Future) -> None:
+        error = outcome(future)[1]
+        with lock:
+            if error is not None and first_error[0] is None:
+                first_error[0] = error
+            remaining[0] -= 1
+            if remaining[0]:
+                return
+        settle(combined, futures if first_error[0] is None else None, first_error[0])
+
+    for future in futures:
+        on_done(future, done)
+    return combined
+
+
+def install_collect_all() -> None:
+    """Make ``torch.futures.collect_all`` the one above (process-wide, once;
+    for any other list it is torch's own). Code that imported the name
+    before keeps torch's."""
+    torch.futures.collect_all = collect_all

@@ -165,11 +165,17 @@ class TakeTurns:
         if not inline:
             self._on_frame(frame, False)
             return True
+        # The request runs as on any thread that runs requests: its reading
+        # is lent (another thread reads when it waits), so user code here
+        # is not on a thread the transport needs, and a callback added to a
+        # future already done runs at once (as in torch), not on the pool.
         previous, thread_state.hand_off = thread_state.hand_off, self._hand_off
+        thread_state.transport = False
         try:
             self._on_frame(frame, True)
         finally:
             thread_state.hand_off = previous
+            thread_state.transport = True
             with self._lock:
                 self._running = 0
                 kept = self._role == me

@@ -42,7 +42,7 @@ import functools
 import time
 from typing import Any
 
-from rrpc import functions, metrics, rref, torch_profiler
+from rrpc import functions, futures, metrics, rref, torch_profiler
 from rrpc.agent import Agent
 from rrpc.autograd import Autograd
 from rrpc.dispatch import Deferred
@@ -69,6 +69,7 @@ def start_services(agent: Agent) -> None:
     agent.register(CALL, run_restricted_call if agent.options.restricted else run_call)
 
     torch_profiler.install()  # process-wide, once: where rrpc's events join torch's profiles
+    futures.install_collect_all()  # process-wide: its callbacks off the transport
     profiling = agent.profiling = Profiling(agent)
     for kind in PROFILED_KINDS:  # a call or remote() made under the caller's profiler
         agent.register(kind | PROFILED, functools.partial(profiling.serve, kind))

@@ -14,6 +14,7 @@ import operator
 import threading
 import weakref
 
+import pytest
 import torch
 
 import rrpc
@@ -219,6 +220,70 @@ def test_rpc_async_returns_a_torch_future_usable_with_then_wait_and_wait_all(clu
     assert torch.equal(got["then"], torch.full((2,), 10.0))
     assert torch.equal(got["collect_all"][1], torch.ones(2))
     assert got["done"] is True
+
+
+def _collect_all_then_calls_the_same_peer():
+    futures = [rrpc.rpc_async("worker1", torch.add, args=(torch.ones(2), i)) for i in range(2)]
+    ran_on = []
+
+    def callback(collected):
+        ran_on.append(threading.current_thread().name)
+        # Its reply is read by the thread that read the two above: the
+        # callback must not run there (as torch, which runs it on a pool thread).
+        return rrpc.rpc_sync("worker1", torch.add, args=(collected.value()[1].value(), 10))
+
+    chained = torch.futures.collect_all(futures).then(callback)
+    value = chained.wait()
+    failing = [rrpc.rpc_async("worker1", _fail_one), futures[0]]
+    try:
+        torch.futures.collect_all(failing).wait()
+        error = None
+    except ValueError as exc:
+        error = " ".join(map(str, exc.args))
+    plain = torch.futures.collect_all([torch.futures.Future()])  # no rrpc future: torch's own
+    return value, ran_on, error, not isinstance(plain, rrpc.futures.Future)
+
+
+def _fail_one():
+    raise ValueError("one of them failed")
+
+
+def _collect_all_scenario(rank, world_size):
+    return _collect_all_then_calls_the_same_peer() if rank == 0 else None
+
+
+@pytest.mark.parametrize("lane", ["1", "0"])
+def test_a_callback_on_collect_all_of_calls_may_call_the_same_peer(lane):
+    value, ran_on, error, plain = run_workers(_collect_all_scenario, env={"RRPC_LANE": lane})[0]
+    assert torch.equal(value, torch.full((2,), 12.0))
+    assert ran_on[0].startswith("rrpc-callback-")
+    assert "one of them failed" in error  # as torch's: the error of the one that failed
+    assert plain
+
+
+def _callbacks_on_a_done_future():
+    future = rrpc.rpc_async("worker0", torch.add, args=(torch.ones(1), 1))
+    future.wait()
+    seen = []
+    future.add_done_callback(lambda f: seen.append(threading.current_thread().name))
+    future.then(lambda f: seen.append(threading.current_thread().name))
+    return threading.current_thread().name, seen
+
+
+def _done_future_callbacks(rank, world_size):
+    return (
+        [rrpc.rpc_sync("worker1", _callbacks_on_a_done_future) for _ in range(5)]
+        if rank == 0
+        else None
+    )
+
+
+@pytest.mark.parametrize("lane", ["1", "0"])
+def test_a_callback_added_to_a_done_future_in_a_remote_function_runs_at_once_there(lane):
+    # As torch: "if the Future is already completed, the callback runs inline",
+    # also when the request runs on the thread that read it.
+    for thread, seen in run_workers(_done_future_callbacks, env={"RRPC_LANE": lane})[0]:
+        assert seen == [thread, thread]
 
 
 def _fire_concurrently(count, targets):

@@ -234,3 +234,36 @@ def test_a_failure_and_the_last_success_racing_complete_the_combination_once():
         assert raised == []
         with pytest.raises(ValueError, match="lost"):
             combined.wait()
+
+
+def test_a_callback_added_by_a_waiter_its_completion_woke_runs_at_once_on_the_waiter():
+    # torch wakes a future's waiters before it runs its C++ callbacks; one of
+    # those holds the completing thread until the woken waiter has added its
+    # callback. The future is done for the waiter: the callback runs there, at once.
+    future = Future()
+    added = threading.Event()
+    torch.futures.Future.add_done_callback(future, lambda _: added.wait(10))
+    ran_on = []
+
+    def waiter():
+        future.wait()
+        future.add_done_callback(lambda _: ran_on.append(threading.current_thread().name))
+        added.set()
+
+    thread = threading.Thread(target=waiter, name="waiter")
+    thread.start()
+    future.set_result(5)
+    thread.join(10)
+    assert ran_on == ["waiter"] and future.done() and future.wait() == 5
+
+
+def test_a_future_completed_twice_raises_and_keeps_its_first_outcome():
+    future = Future()
+    future.set_result(1)
+    with pytest.raises(RuntimeError):
+        future.set_result(2)
+    with pytest.raises(RuntimeError):
+        future.set_exception(ValueError("late"))
+    assert future.wait() == 1
+    with pytest.raises(AssertionError):  # as torch: only an Exception
+        Future().set_exception("not an exception")  # type: ignore[arg-type]
