@@ -29,7 +29,9 @@ Rules:
   reply from the received tensor. When the reply arrives, a slot the server
   still maps a tensor over (byte 0 set: it kept what it was sent) is copied
   out, and the hold cleared at once: what the server does to its tensor
-  afterwards is never seen. A slot it maps no longer is the reply tensor
+  afterwards is never seen; what it writes into it between the reply leaving
+  and arriving is (as with the cma channel, which reads the server's tensor
+  when the reply arrives). A slot it maps no longer is the reply tensor
   itself, with no copy, and the hold is cleared when that tensor is freed.
 - A slot remembers the process it was sent to; if that process died without
   freeing it, the slot is taken back when the pool next needs one of its size.
