@@ -22,7 +22,10 @@ Rules:
   less than half of a storage of 8 KiB or more shares nothing: torch copies
   it before sending, rrpc sends its own bytes. So a span is never much
   larger than what its tensors view. The same tensor object twice is one
-  object anyway (pickle's memo).
+  object anyway (pickle's memo). A storage is one torch storage (its
+  ``StorageImpl``, ``_cdata``, as torch's own picklers key storages), not an
+  address: two storages over one memory (numpy arrays made tensors, a prefix
+  and the whole) are two, and travel apart, as in torch.
 - A sparse tensor (COO, CSR, CSC, BSR, BSC) travels as its parts (indices and
   values, each such a buffer) with its size, layout and COO coalesced flag;
   it is rebuilt with its invariants checked, and requires grad as it did.
@@ -350,12 +353,17 @@ class Storages:
     view into, or None."""
 
     def __init__(self, spans: dict[int, _Span] | None = None):
+        # By storage (``_cdata``), not by address: a storage made over another
+        # one's memory starts where it does, but may be shorter, and a span
+        # built over it would not hold the other's views. (The tensors noted
+        # keep their storages alive while the message is pickled: no other
+        # storage takes a ``_cdata`` meanwhile.)
         self._seen: dict[int, list[torch.Tensor]] = {}
         self._spans = spans
         self.repeated = False  # a storage was met twice: ``shared()`` may find spans
 
     def note(self, tensor: torch.Tensor) -> _Span | None:
-        key = tensor.untyped_storage().data_ptr()
+        key = tensor.untyped_storage()._cdata
         if self._spans is None:  # the first pickling: only what each storage holds
             views = self._seen.get(key)
             if views is None:
@@ -373,14 +381,16 @@ class Storages:
         """The spans of storages that two tensors or more view and share."""
         spans = {}
         for key, seen in self._seen.items():
-            views = [view for view in seen if _shares(view)] if len(seen) > 1 and key else ()
+            views = [view for view in seen if _shares(view)] if len(seen) > 1 else ()
             if len(views) < 2:
                 continue
+            storage = views[0].untyped_storage()
+            base = storage.data_ptr()
             first = min(view.data_ptr() for view in views)
-            first -= (first - key) % _SPAN_ALIGN
+            first -= (first - base) % _SPAN_ALIGN
             end = max(view.data_ptr() + _extent(view) for view in views)
             whole = torch.empty(0, dtype=torch.uint8)
-            whole.set_(views[0].untyped_storage(), first - key, (end - first,), (1,))
+            whole.set_(storage, first - base, (end - first,), (1,))
             spans[key] = _Span(whole, first)
         return spans
 

@@ -12,6 +12,7 @@ import sys
 import threading
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -261,6 +262,26 @@ def test_small_parts_of_a_large_storage_travel_apart_as_torch_copies_them(size):
     received, out = round_trip((big[: size // 2 + 1], big[size // 2 - 1 :]))
     assert [len(piece) for piece in out.pieces[1:]] == [4 * size]
     assert _storage(received[0]) == _storage(received[1])
+
+
+@pytest.mark.parametrize("head_first", [True, False])
+def test_two_storages_over_one_memory_travel_apart_as_torch_sends_them(head_first):
+    # numpy arrays made tensors, a prefix and the whole: two storages that
+    # start at one address. To torch they are two storages, sent apart; taken
+    # for one, the span was built over the shorter and encode raised.
+    array = np.arange(100, dtype=np.float32)
+    head, whole = torch.from_numpy(array[:10]), torch.from_numpy(array)
+    sent = (head, whole, whole[90:]) if head_first else (whole, whole[90:], head)
+    received, out = round_trip(sent)
+    for got, tensor in zip(received, sent, strict=True):
+        assert torch.equal(got, tensor)
+    assert sorted(len(piece) for piece in out.pieces[1:]) == [40, 400]
+    got_head, got_whole, got_tail = (
+        received if head_first else (received[2], received[0], received[1])
+    )
+    assert _storage(got_whole) == _storage(got_tail) != _storage(got_head)
+    got_whole += 1  # the whole's own view sees it, the other storage does not
+    assert torch.equal(got_tail, whole[90:] + 1) and torch.equal(got_head, head)
 
 
 class _Counted:
