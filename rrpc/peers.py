@@ -7,7 +7,8 @@ shared-memory pool this worker can open (see ``shm.py``'s rules: a worker maps
 only segments of the pool the peer on that stream advertised). Workers that
 join later are looked up on first use (``lookup``, set by ``init_rpc`` under
 dynamic membership); workers that left are remembered with why, so a call to
-one fails with that reason rather than "unknown worker".
+one fails with that reason rather than "unknown worker", and the segments
+this worker mapped of theirs are let go (``Directory._unmap``).
 
 No I/O of its own and no threads: the agent owns the streams and calls
 ``add``/``remove`` when membership changes. Reads take no lock (dict reads
@@ -36,6 +37,7 @@ class Peer:
     same_main: bool = False  # runs our __main__ script: its functions go by name
     placer: shm.Placer | None = None  # our shared-memory pool, bound to its pid
     source: Callable[[Any], torch.Tensor] | None = None  # maps its segments, only its
+    pid: int = 0  # its process, when this worker opened its probe: its segments are "<pid>/<fd>"
     lane_path: str = ""  # its same-host lane's socket, when one may open to it (lane.py)
     bulk_port: int = 0  # its bulk port (bulk.py), 0: none
 
@@ -84,6 +86,8 @@ class Directory:
         probe, key = advertised.get("probe", ""), advertised.get("shm_key", "")
         if probe and key and advertised.get("host") == shm.host_key():
             pid, key_bytes = int(probe.split("/")[0]), bytes.fromhex(key)
+            peer.pid = pid
+            self._unmap(peer)  # maps under its pid are an earlier process's (or entry's)
             if self._attachments.can_open(probe, key_bytes):
                 peer.source = self._attachments.bind(pid, key_bytes, self._shm_pool)
                 if self._shm_pool is not None:
@@ -101,10 +105,23 @@ class Directory:
         peer = self._by_name.get(info.name)
         if peer is not None and peer.info == info:
             del self._by_name[info.name]
+            self._unmap(peer)
         peer = self._by_rank.get(info.id)
         if peer is not None and peer.info == info:
             del self._by_rank[info.id]
+            self._unmap(peer)
         self.departed[info.name] = self.departed[info.id] = reason
+
+    def _unmap(self, peer: Peer) -> None:
+        """Drop this worker's maps of the segments named under ``peer``'s pid.
+        When it leaves: kept, they would hold up to its whole pool for the rest
+        of the run. When it is added: any there are of an earlier process
+        given that pid (a worker killed, never removed), which would answer
+        for the new one's segments. A map dropped while still needed costs a
+        map again (``Attachments._map``), and a tensor still alive over a slot
+        keeps that slot's map (numpy's base chain) until it is freed."""
+        if peer.pid:
+            self._attachments.forget(f"{peer.pid}/")
 
     def known(self, rank: int) -> Peer | None:
         """The peer of ``rank`` if this worker knows it (no lookup)."""

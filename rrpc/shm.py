@@ -446,7 +446,9 @@ class Attachments:
         return bytes(whole[HEADER : HEADER + len(MAGIC)]) == MAGIC and bytes(whole[KEY]) == key
 
     def forget(self, prefix: str) -> None:
-        """Drop the mappings of a peer (its pid prefix) after it went away."""
+        """Drop the mappings of a peer (its pid prefix, ``"<pid>/"``) after it
+        went away. A tensor still over one of its slots keeps that slot's map
+        (the slot's array is its numpy base) until it is freed."""
         with self._lock:
             for name in [name for name in self._maps if name.startswith(prefix)]:
                 del self._maps[name]

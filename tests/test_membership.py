@@ -20,6 +20,8 @@ import torch.distributed as dist
 import rrpc
 import rrpc.optim
 from harness import WorkerGroup, mp_context
+from rrpc import shm
+from rrpc.agent import current_agent
 
 
 def _dynamic():
@@ -245,6 +247,90 @@ def test_a_name_held_by_a_running_worker_cannot_be_taken():
         *_, message = group.wait(80)
     assert message is not None and "worker name 'worker0' is not unique" in message
     assert "still runs at 127.0.0.1:" in message
+
+
+# -- A leaver's shared memory --------------------------------------------------------
+
+SLOT_FLOATS = 1 << 20  # 4 MiB: travels in a shared-memory slot of the sender's pool
+_kept: list[torch.Tensor] = []  # worker0: a tensor from the leaver, kept past its leaving
+
+
+def _keep(tensor):
+    _kept.append(tensor)
+
+
+def _numel(tensor):
+    return tensor.numel()
+
+
+def _mapped_of(pid):
+    """The names of process ``pid``'s segments this worker maps (``shm.Attachments``)."""
+    return sorted(
+        name for name in current_agent().peers._attachments._maps if name.startswith(f"{pid}/")
+    )
+
+
+def _shm_bytes():
+    """Bytes of this process's maps of rrpc's segments (its own and its peers')."""
+    total = 0
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if "memfd:rrpc-shm" in line:
+                start, end = (int(bound, 16) for bound in line.split()[0].split("-"))
+                total += end - start
+    return total
+
+
+def _leaver_shares_memory(rank, world_size, up, joined, sent, measured, finished):
+    _dynamic()
+    if rank == 0:
+        return _store(rank, world_size, up, finished, 2)
+    assert up.wait(60)
+    me = rank - 1  # worker1 leaves
+    seen = _events()
+    rrpc.init_rpc(f"worker{me}", rank=me)
+    joined[me].set()
+    assert all(event.wait(60) for event in joined)
+    if me == 1:  # one slot worker0 keeps a tensor over, one it frees at once
+        rrpc.rpc_sync("worker0", _keep, args=(torch.full((SLOT_FLOATS,), 7.0),))
+        assert rrpc.rpc_sync("worker0", _numel, args=(torch.ones(SLOT_FLOATS),)) == SLOT_FLOATS
+        sent.set()
+        assert measured.wait(60)
+        rrpc.shutdown()
+        finished.release()
+        return None
+    assert sent.wait(60)
+    leaver = rrpc.rpc_sync("worker1", _pid)
+    before = {"names": _mapped_of(leaver), "bytes": _shm_bytes()}
+    measured.set()
+    _next_event(seen, "left", "worker1")
+    deadline = time.monotonic() + 60
+    while shm._alive(leaver):  # its process gone: only this worker's maps hold its slots
+        assert time.monotonic() < deadline, f"the leaver (process {leaver}) still runs"
+        time.sleep(0.01)  # polling /proc: no event tells a non-parent that a process ended
+    after = {"names": _mapped_of(leaver), "bytes": _shm_bytes()}
+    kept_reads = torch.equal(_kept[0], torch.full((SLOT_FLOATS,), 7.0))
+    _kept.clear()
+    freed_bytes = _shm_bytes()
+    rrpc.shutdown()
+    finished.release()
+    return {"before": before, "after": after, "kept_reads": kept_reads, "freed": freed_bytes}
+
+
+@pytest.mark.timeout(120)
+def test_a_leavers_segments_are_unmapped_and_a_tensor_kept_over_one_still_reads():
+    up, sent, measured = (mp_context.Event() for _ in range(3))
+    joined = [mp_context.Event() for _ in range(2)]
+    args = (up, joined, sent, measured, mp_context.Semaphore(0))
+    with WorkerGroup(_leaver_shares_memory, 3, args=args, init=False) as group:
+        _, worker0, _ = group.wait(110)
+    slot = SLOT_FLOATS * 4
+    before, after = worker0["before"], worker0["after"]
+    assert len(before["names"]) == 3, before  # its probe and two slots: one kept, one freed
+    assert after["names"] == [], after
+    assert before["bytes"] - after["bytes"] >= slot, worker0  # the freed slot's map went at once
+    assert worker0["kept_reads"]  # the kept one's map lives on with its tensor
+    assert after["bytes"] - worker0["freed"] >= slot, worker0  # and goes with it
 
 
 # -- RRefs, distributed autograd and the optimizer with late joiners ------------------

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-import pytest
+import os
 
-from rrpc import codec
+import numpy as np
+import pytest
+import torch
+
+from rrpc import codec, shm
 from rrpc.messages import PeerUnavailableError, RpcError, WorkerInfo
 from rrpc.peers import Directory
 
@@ -52,6 +56,35 @@ def test_removing_an_old_incarnation_keeps_the_new_one():
     directory.add(new_b, "127.0.0.1:7002", {})
     directory.remove(B, "old b")  # the old incarnation's removal arrives late
     assert directory.resolve("b") == new_b
+
+
+def test_a_leavers_segments_are_unmapped_and_a_tensor_kept_over_one_still_reads():
+    # The peer is this process's own pool (its probe advertised as a peer's would be).
+    pool = shm.SenderPool()
+    directory = Directory(shm_pool=None)
+    shares = {"probe": pool.probe.name, "shm_key": pool.key.hex(), "host": shm.host_key()}
+    try:
+        directory.add(B, "127.0.0.1:5001", shares)
+        peer = directory.known(1)
+        assert peer is not None and peer.source is not None and peer.pid == os.getpid()
+        data = np.arange(1 << 16, dtype=np.uint8)
+        kept = peer.source(pool.place(memoryview(data), holder=os.getpid()))
+        peer.source(pool.place(memoryview(data), holder=os.getpid()))  # freed at once
+        maps = directory._attachments._maps
+        assert len(maps) == 3  # the probe, and both slots
+        directory.remove(B, "b left the group")
+        assert maps == {}
+        assert torch.equal(kept, torch.from_numpy(data))  # its map lives on with it
+        # A process given the pid of one never removed: the earlier one's maps go.
+        directory.add(B, "127.0.0.1:5001", shares)
+        source = directory.known(1).source
+        assert source is not None
+        source(pool.place(memoryview(data), holder=os.getpid()))
+        assert len(maps) == 2
+        directory.add(WorkerInfo("c", 2), "127.0.0.1:5002", shares)
+        assert list(maps) == [pool.probe.name]
+    finally:
+        pool.close()
 
 
 def test_a_late_joiner_is_looked_up_once_then_known():
