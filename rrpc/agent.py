@@ -173,8 +173,8 @@ class Agent:
         # Dynamic membership: how many times this rank joined before (rrpc/membership.py).
         self.incarnation = 0
         self.calls = CallTable()  # the calls this worker sent and awaits
-        # Ranks maybe dead: their carrier broke, or a barrier probes them
-        # (``all_unreachable``); cleared by their next reply. No new lane opens to them.
+        # Ranks maybe dead: their carrier broke, a lane to them could not open, or a barrier
+        # probes them (``all_unreachable``); cleared by their next reply. No new lane opens to them.
         self.suspects: set[int] = set()
         self._ids = itertools.count(1)
         self._stopped = False
@@ -377,12 +377,12 @@ class Agent:
         out = self.encode(
             kind, request_id, obj, peer, context_id, (self.info.id, request_id, False)
         )
-        connection, route = self.routes.to(peer)
+        now = time.monotonic()  # a lane opened for the call (on this thread) spends its time
+        connection, route = self.routes.to(peer, timeout)
         if sync:  # on a lane, the caller reads its own reply while nobody else reads
             future: SyncReply | Future = SyncReply(route.lead if route is not None else None)
         else:
             future = Future()
-        now = time.monotonic()
         row = self.metrics.sent(peer.name, kind, obj, out.size, out.tensor_bytes)
         if self.calls.open(request_id, future, peer, what, timeout, now, connection, row):
             self._deadlines.watch(now + timeout)

@@ -306,7 +306,15 @@ class Lanes:
     """The caller's lanes, one per peer that may have one (``peers.Peer.lane_path``):
     opened at the first call to it, reopened at the next call after a break.
     A lane that cannot open is not tried again for ``RETRY_AFTER`` seconds:
-    meanwhile the calls go over gRPC (the fallback)."""
+    meanwhile the calls go over gRPC (the fallback), and ``on_failed(rank)``
+    hears of it (the agent then suspects the peer: see ``routes``' rules).
+
+    A lane opens on the thread of the call that needs it, so its opening
+    exchange spends that call's time: it is limited by the call's timeout as
+    well as ``CONNECT_TIMEOUT``, and a peer found stopped or gone as soon as
+    the socket connects fails it at once (``connect``). A peer frozen before
+    the first call to it (SIGSTOP) still accepts: the kernel's listen backlog
+    takes the connection, and the handshake would wait out its whole limit."""
 
     RETRY_AFTER = 5.0
     CONNECT_TIMEOUT = 2.0  # seconds for the whole opening exchange
@@ -316,19 +324,23 @@ class Lanes:
         rank: int,
         token: auth.Token | None,
         new_lane: Callable[[socket.socket, Any], Lane],
+        on_failed: Callable[[int], None],
     ):
         self._rank = rank
         self._token = token
         self._new_lane = new_lane
+        self._on_failed = on_failed
         self.open: dict[int, Lane] = {}
         self._retry_at: dict[int, float] = {}
         self._opening: set[int] = set()  # peers whose lane a thread is opening
         self._lock = threading.Lock()
         self._stopped = False
 
-    def to(self, peer: Any, path: str) -> Lane | None:
-        """The lane to ``peer`` (a WorkerInfo) at ``path``, opened if need be;
-        None if it has none or it cannot open now (the call goes over gRPC).
+    def to(self, peer: Any, path: str, timeout: float = 0.0) -> Lane | None:
+        """The lane to ``peer`` (a WorkerInfo) at ``path``, opened if need be
+        within ``timeout`` seconds (the calling call's; 0: none, only
+        ``CONNECT_TIMEOUT``); None if it has none or it cannot open now (the
+        call goes over gRPC).
 
         One thread opens a peer's lane, without the lock: calls to that peer
         made meanwhile, and to every other peer, do not wait for it."""
@@ -339,12 +351,14 @@ class Lanes:
             if peer.id in self._opening or time.monotonic() < self._retry_at.get(peer.id, 0.0):
                 return None
             self._opening.add(peer.id)
+        limit = min(timeout, self.CONNECT_TIMEOUT) if timeout > 0 else self.CONNECT_TIMEOUT
         try:
-            sock = connect(path, (self._rank, peer.id), self._token, timeout=self.CONNECT_TIMEOUT)
+            sock = connect(path, (self._rank, peer.id), self._token, timeout=limit)
         except (OSError, AuthenticationError, struct.error) as exc:
             with self._lock:
                 self._opening.discard(peer.id)
                 self._retry_at[peer.id] = time.monotonic() + self.RETRY_AFTER
+            self._on_failed(peer.id)
             logs.event(
                 "lane-unavailable",
                 peer.name,
@@ -388,14 +402,23 @@ def connect(
     token: auth.Token | None,
     timeout: float = HANDSHAKE_TIMEOUT,
 ) -> socket.socket:
-    """Dial a peer's lane and prove each other the token; the open socket
-    (non-blocking). Raises AuthenticationError or OSError."""
+    """Dial a peer's lane and prove each other the token, all within
+    ``timeout`` seconds; the open socket (non-blocking). Raises
+    AuthenticationError or OSError (LaneBroken: the peer's process is
+    stopped or gone, which the kernel says at once; the handshake would
+    spend all of ``timeout`` on it)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.settimeout(timeout)
-        start = time.monotonic()  # one limit for the whole exchange
+        deadline = time.monotonic() + timeout  # one limit for the whole exchange
         sock.connect(path)
-        open_as_caller(sock, MAGIC, ranks, path, token, timeout - (time.monotonic() - start))
+        why = unresponsive(peer_pid(sock))
+        if why is not None:
+            raise LaneBroken(f"{path}: {why}")
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"{path}: lane handshake timed out")
+        open_as_caller(sock, MAGIC, ranks, path, token, left)
         return sock
     except BaseException:
         sock.close()

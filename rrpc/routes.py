@@ -11,12 +11,15 @@ were on it. ``stop`` ends them all.
 Rules:
 - A call is never held past its timeout by opening a carrier. A gRPC stream
   connects in the background (its calls wait in its outbox, under their
-  deadlines); a lane opens in the caller's thread, in a handshake with a time
-  limit of its own (``lane.connect``), which a frozen peer's socket spends in
-  full (its listen backlog accepts the connection, nobody answers). So a
-  suspect (``Agent.suspects``: its carrier broke, or a barrier probes it)
-  gets no new lane: its calls go over gRPC until it answers one, which clears
-  the suspicion. A lane already open is used as it is (its writes never block).
+  deadlines); a lane opens in the caller's thread, in a handshake that a
+  frozen peer's socket spends in full (its listen backlog accepts the
+  connection, nobody answers). So the handshake is limited by the call's
+  timeout (the call's time runs from before it: ``Agent._send``), a peer
+  whose process is stopped or gone fails it at once (``lane.connect`` asks
+  the kernel), and a suspect (``Agent.suspects``: its carrier broke, a lane
+  to it could not open, or a barrier probes it) gets no new lane: its calls
+  go over gRPC until it answers one, which clears the suspicion. A lane
+  already open is used as it is (its writes never block).
 - Every gRPC channel opened is closed explicitly, broken ones too: a channel
   left to the garbage collector can hang the interpreter's exit in gRPC's
   finalizer.
@@ -55,12 +58,12 @@ class Routes:
         self.lanes: lane.Lanes | None = None
         if options.same_host_lane:
             token = auth.Token(options.auth_token) if options.auth_token else None
-            self.lanes = lane.Lanes(agent.info.id, token, self._new_lane)
+            self.lanes = lane.Lanes(agent.info.id, token, self._new_lane, agent.suspects.add)
 
-    def to(self, peer: WorkerInfo) -> tuple[Carrier, lane.Lane | None]:
-        """The carrier of a call to ``peer`` (opened if need be), and it again
-        if it is a lane."""
-        route = self._lane(peer)
+    def to(self, peer: WorkerInfo, timeout: float = 0.0) -> tuple[Carrier, lane.Lane | None]:
+        """The carrier of a call to ``peer`` (opened if need be: a lane within
+        the call's ``timeout``, 0 for none), and it again if it is a lane."""
+        route = self._lane(peer, timeout)
         return (route, route) if route is not None else (self._connection(peer), None)
 
     def _connection(self, peer: WorkerInfo) -> transport.Connection:
@@ -108,8 +111,9 @@ class Routes:
                 self._opened.append(connection)
         return connection
 
-    def _lane(self, peer: WorkerInfo) -> lane.Lane | None:
-        """The lane to ``peer``, if it shares this host and one is (or can be) open."""
+    def _lane(self, peer: WorkerInfo, timeout: float) -> lane.Lane | None:
+        """The lane to ``peer``, if it shares this host and one is (or can be,
+        within ``timeout``) open."""
         lanes = self.lanes
         if lanes is None:
             return None
@@ -117,7 +121,9 @@ class Routes:
         if found is not None or peer.id in self._agent.suspects:
             return found  # a suspect may be frozen: opening would block (see the rules)
         entry = self._agent.peers.known(peer.id)
-        return lanes.to(peer, entry.lane_path) if entry is not None and entry.lane_path else None
+        if entry is None or not entry.lane_path:
+            return None
+        return lanes.to(peer, entry.lane_path, timeout)
 
     def lane_to(self, peer: WorkerInfo) -> lane.Lane | None:
         """The lane open to ``peer`` now, if any (for tests and stats)."""

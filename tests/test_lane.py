@@ -318,6 +318,35 @@ def test_a_caller_without_the_token_is_refused_on_the_lane_and_the_worker_keeps_
     assert results[0] == (2.0, True)
 
 
+# -- Opening a lane within the call's time, without processes -----------------------
+def _no_lane_expected(sock, peer):
+    raise AssertionError(f"a lane to {peer.name} opened")
+
+
+def test_a_lane_whose_peer_never_answers_gives_up_within_the_calls_timeout(tmp_path, monkeypatch):
+    # A frozen peer's listen backlog accepts the connection and nobody answers:
+    # the opening exchange, on the calling thread, waits out its whole limit.
+    # It must be the call's timeout (0.2 s here), not CONNECT_TIMEOUT's.
+    monkeypatch.setattr(lane.Lanes, "CONNECT_TIMEOUT", 30.0)
+    path = str(tmp_path / "lane.sock")
+    listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listening.bind(path)
+    listening.listen(1)  # never accepts: connections wait in the backlog
+    failed = []
+    lanes = lane.Lanes(0, None, _no_lane_expected, failed.append)
+    try:
+        start = time.monotonic()
+        opened = lanes.to(rrpc.WorkerInfo("worker1", 1), path, timeout=0.2)
+        took = time.monotonic() - start
+    finally:
+        listening.close()
+    assert opened is None
+    assert took < 0.2 + 1.0, took
+    assert failed == [1]  # the agent then suspects it: no lane opens to it until it answers
+    assert lanes.to(rrpc.WorkerInfo("worker1", 1), path, timeout=0.2) is None  # not yet retried
+    assert failed == [1]
+
+
 # -- The writer, without processes ---------------------------------------------------
 def test_writer_keeps_frames_whole_and_in_order_when_the_socket_is_full():
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -112,6 +112,61 @@ def test_shutdown_beside_a_frozen_peer_ends_within_its_timeout(frozen_peer, rank
         assert "rank(s) [1] of world_size 3 never arrived" in seen["message"], seen
 
 
+# The first calls to a peer that froze before any call: a lane opens for the
+# first, on the calling thread, and the frozen peer's listen backlog accepts
+# its connection. (The suite also runs with the lane off: these turn it on.)
+FIRST_CALL_TIMEOUT = 0.5
+
+
+def _first_call_to_a_frozen_peer(rank, world_size, first, ready, frozen, done, release):
+    rrpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size)
+    if rank == 1:  # frozen by the test, then let go; it leaves without a barrier
+        ready.set()
+        assert release.wait(120)  # only this worker waits on it (see above)
+        rrpc.shutdown(graceful=False)
+        return None
+    assert frozen.wait(60)
+    seen = {}
+    start = time.monotonic()
+    if first == "rpc_sync":
+        seen["first"] = _measured(rrpc.rpc_sync, "worker1", _noop, timeout=FIRST_CALL_TIMEOUT)
+    else:
+        future = rrpc.rpc_async("worker1", _noop, timeout=FIRST_CALL_TIMEOUT)
+        seen["rpc_async returned"] = time.monotonic() - start
+        seen["first"] = _outcome(future.wait)
+        seen["first"]["took"] = time.monotonic() - start
+    seen["second"] = _measured(rrpc.rpc_sync, "worker1", _noop, timeout=FIRST_CALL_TIMEOUT)
+    done.set()
+    rrpc.shutdown(graceful=False)
+    return seen
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("first", ["rpc_sync", "rpc_async"])
+def test_the_first_call_to_a_peer_frozen_before_it_keeps_its_timeout(first):
+    # Measured before: 2.5 s for timeout=0.5 (rpc_async returned after 2.0 s):
+    # the lane's opening exchange waited out its own 2 s limit first.
+    ready, frozen, done, release = (mp_context.Event() for _ in range(4))
+    args = (first, ready, frozen, done, release)
+    with WorkerGroup(
+        _first_call_to_a_frozen_peer, 2, args=args, init=False, env={"RRPC_LANE": "1"}
+    ) as group:
+        assert ready.wait(60)
+        group.send_signal(1, signal.SIGSTOP)
+        frozen.set()
+        try:
+            done.wait(60)
+        finally:
+            group.send_signal(1, signal.SIGCONT)
+            release.set()
+        seen = group.wait(timeout=60)[0]
+    for call in ("first", "second"):
+        assert seen[call]["type"] in ("RpcTimeoutError", "PeerUnavailableError"), seen
+        assert seen[call]["took"] < FIRST_CALL_TIMEOUT + SLACK, seen
+    if first == "rpc_async":
+        assert seen["rpc_async returned"] < SLACK, seen
+
+
 def _barrier_a_moment_after_the_host(rank, world_size, ready, go, later):
     # Ranks 0 (the store's host) and 1 of a world of 3; rank 2 never comes. As
     # two shutdowns begun a moment apart: rank 1's deadline is ``later`` s after
