@@ -129,17 +129,28 @@ class Listener:
                 None if self._unread is None else functools.partial(self._unread.wait, caller_rank),
             ),
         )
+        ended = threading.Lock()  # taken by the reader that ends the lane for its error
+
+        def take_turns() -> None:
+            """One of the two readers; the first to find the stream ended by a
+            malformed frame (a request over ``max_message_size``) tells the
+            caller why and shuts the socket at once. The other reader may be
+            running a request inline, for as long as it runs: the caller's
+            calls fail now, not after it, and its reply is dropped (as on gRPC)."""
+            readers.run()
+            error = readers.stream.error
+            if error is not None and ended.acquire(blocking=False):
+                respond(goodbye(f"{type(error).__name__}: {error}"))
+                writer.drain(1.0)
+                shut(sock)
+
         partner = threading.Thread(
-            target=readers.run, name=f"rrpc-lane-serve-{self.rank}", daemon=True
+            target=take_turns, name=f"rrpc-lane-serve-{self.rank}", daemon=True
         )
         try:
             partner.start()
-            readers.run()
+            take_turns()
             partner.join()
-            if readers.stream.error is not None:  # a malformed frame: tell the caller why
-                error = readers.stream.error
-                respond(goodbye(f"{type(error).__name__}: {error}"))
-                writer.drain(1.0)
         finally:  # whatever ended it: the caller's calls on it fail now, not at their timeout
             in_flight.wake()
             if self._unread is not None:

@@ -166,6 +166,59 @@ def test_a_lane_that_breaks_mid_call_fails_that_call_naming_the_peer_and_the_nex
     assert after == [5.0, 5.0]
 
 
+SMALL_LIMIT = 1 << 20  # worker1's max_message_size below
+HELD = 10.0  # seconds worker1 runs its inline request at most (until the caller releases it)
+_started = []  # worker1's copy of the Event its held request sets as it starts
+
+
+def _held_until_released():
+    _started[0].set()
+    _release[0].wait(HELD)
+    return "released"
+
+
+def _refused_beside_an_inline_request(rank, world_size, started, release):
+    _started.append(started)
+    _release.append(release)
+    options = rrpc.RpcBackendOptions(max_message_size=SMALL_LIMIT if rank == 1 else 0)
+    rrpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, rpc_backend_options=options)
+    seen = None
+    if rank == 0:
+        assert rrpc.rpc_sync("worker1", _echo, args=(1,)) == 1  # the lane is open
+        held = rrpc.rpc_async("worker1", _held_until_released)  # alone: run inline by its reader
+        assert started.wait(30)
+        start = time.monotonic()
+        try:
+            rrpc.rpc_sync("worker1", torch.numel, args=(torch.zeros(SMALL_LIMIT // 4 + 10),))
+            seen = {"refused": None}
+        except rrpc.PeerUnavailableError as exc:
+            seen = {"refused": str(exc)}
+        seen["took"] = time.monotonic() - start
+        release.set()
+        try:
+            seen["held"] = held.wait()
+        except rrpc.PeerUnavailableError as exc:  # its lane ended under it (as on gRPC)
+            seen["held"] = type(exc).__name__
+        seen["after"] = rrpc.rpc_sync("worker1", _echo, args=(2,))
+    rrpc.shutdown()
+    return seen
+
+
+def test_a_request_the_callee_refuses_ends_the_lane_at_once_beside_a_long_inline_request():
+    # Measured before: the refused call failed after HELD (9.8 s): the callee
+    # said goodbye only once both its readers were done, and one of them ran
+    # the held request inline.
+    started, release = mp_context.Event(), mp_context.Event()
+    env = {"RRPC_SHM": "0", **LANE_ON}  # the tensor goes in the frame, over the limit
+    seen = run_workers(
+        _refused_beside_an_inline_request, args=(started, release), env=env, init=False
+    )[0]
+    assert seen["refused"] is not None and "max_message_size" in seen["refused"], seen
+    assert seen["took"] < 3.0, seen
+    assert seen["held"] == "PeerUnavailableError", seen
+    assert seen["after"] == 2
+
+
 # -- Replies only rrpc's bookkeeping awaits -------------------------------------------
 def _creations_nobody_waits_for(rank, world_size):
     if rank != 0:
