@@ -74,8 +74,11 @@ class LaneClosed(LaneBroken):
 
 # -- Bytes on a non-blocking socket --------------------------------------------
 def wait(sock: socket.socket, events: int, timeout_ms: int) -> None:
+    fd = sock.fileno()
+    if fd < 0:  # closed by another thread (the lane broke): the caller's next try says so
+        return
     poller = select.poll()
-    poller.register(sock.fileno(), events)
+    poller.register(fd, events)
     poller.poll(timeout_ms)
 
 

@@ -4,12 +4,14 @@ frame to it instead of waiting for the socket (writers combine)."""
 
 from __future__ import annotations
 
+import select
 import socket
 import struct
 import threading
 
 import pytest
 
+from rrpc import lane_io
 from rrpc.lane_io import LaneBroken, Writer
 
 FRAME = struct.Struct("<HI")  # the writing thread, its frame's number
@@ -121,3 +123,14 @@ def test_frames_of_many_threads_arrive_whole_and_in_each_threads_order():
         assert index == next_index[number], f"thread {number}: frame {index} out of order"
         next_index[number] += 1
     assert next_index == [frames_each] * threads
+
+
+def test_waiting_on_a_socket_another_thread_closed_returns_for_the_next_try_to_fail():
+    # The backlog's sender waits for room between sends; the lane may break
+    # (its socket closed by another thread) right before it waits.
+    ours, theirs = socket.socketpair()
+    theirs.close()
+    ours.close()
+    lane_io.wait(ours, select.POLLOUT, 10_000)  # at once, and no ValueError
+    with pytest.raises(OSError):
+        ours.sendmsg([b"x"])
