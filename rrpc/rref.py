@@ -20,7 +20,7 @@ Rules:
 - Calls through ``rref.rpc_sync()`` / ``rpc_async()`` / ``remote()`` name a
   user RRef by id instead of forking it (``_call_on_owner``), which spares the
   owner an ACCEPT exchange per call; the owner runs them with
-  ``rref_service._invoke_on_owner``.
+  ``rref_values._invoke_on_owner``.
 - No error is raised out of a torch Future here (``rref_values.py`` says
   why): futures are read with ``futures.outcome``, a value's error is a
   ``Failed`` result raised as a copy, and a call read at once waits on the
@@ -44,13 +44,15 @@ from rrpc.futures import Future, copy_error, on_done, outcome, settle
 from rrpc.messages import CALL, RREF_CREATE, RREF_FETCH, RpcError, RpcTimeoutError, WorkerInfo
 from rrpc.options import UNSET_RPC_TIMEOUT
 from rrpc.rref_protocol import ForkId, RRefId, format_id
-from rrpc.rref_service import (
-    RRefService,
+from rrpc.rref_service import RRefService
+from rrpc.rref_values import (
     _backward_on_owner,
     _invoke_on_owner,
     _rref_typeof_on_owner,
+    complete_created,
+    sync_result,
+    wait_result,
 )
-from rrpc.rref_values import complete_created, sync_result, wait_result
 
 T = TypeVar("T")
 

@@ -58,6 +58,7 @@ User fork transitions (``UserTable``; ``children`` = pending children)::
     unconfirmed  owner unreachable/refused  failed       ACCEPT(fork) to a user parent
     any          forked to a child          same         - (child added)
     any          child accepted/discarded   same         - (child removed)
+    any          child's receiver gone      same         - (child removed, as lost)
     any          dropped by the application same         - (alive = False)
     confirmed    not alive, no children     (gone)       DELETE(rref, fork) to owner
     failed       not alive, no children     (gone)       - (the owner never counted it)
@@ -247,6 +248,10 @@ class UserTable:
         self.rank = rank
         self.forks: dict[ForkId, UserFork] = {}
         self.pending_children: dict[ForkId, ForkId] = {}  # child fork -> parent fork (ours)
+        self.child_peers: dict[ForkId, int] = {}  # pending child -> the rank it was sent to
+        # Children settled because their receiver is gone (``children_lost``):
+        # should one have arrived after all, its ACCEPT is no error.
+        self.lost: set[ForkId] = set()
 
     def _fork(self, fork_id: ForkId, event: str) -> UserFork:
         fork = self.forks.get(fork_id)
@@ -284,25 +289,43 @@ class UserTable:
                 sends.append(Send(RREF_ACCEPT, fork.parent, (fork_id,)))
         return sends + self._delete_if_done(fork)
 
-    def fork_child(self, fork_id: ForkId, child_id: ForkId) -> None:
-        """Our fork ``fork_id`` is being pickled for another worker as ``child_id``."""
+    def fork_child(self, fork_id: ForkId, child_id: ForkId, to: int | None = None) -> None:
+        """Our fork ``fork_id`` is being pickled for worker ``to`` as ``child_id``."""
         fork = self._fork(fork_id, f"fork to child {format_id(child_id)}")
         if not fork.alive:
             raise ProtocolError(f"fork {format_id(fork_id)} forked after it was dropped")
         fork.children.add(child_id)
         self.pending_children[child_id] = fork_id
+        if to is not None:
+            self.child_peers[child_id] = to
 
     def child_accepted(self, child_id: ForkId) -> list[Send]:
         """ACCEPT: the child is counted by the owner (or is the owner's), or was
         never sent (a discarded pickling)."""
         fork_id = self.pending_children.pop(child_id, None)
+        self.child_peers.pop(child_id, None)
         if fork_id is None:
+            if child_id in self.lost:  # its receiver was taken for gone, wrongly
+                self.lost.discard(child_id)
+                return []
             raise ProtocolError(
                 f"ACCEPT of child {format_id(child_id)}, not pending on {self.rank}"
             )
         fork = self.forks[fork_id]
         fork.children.discard(child_id)
         return self._delete_if_done(fork)
+
+    def children_lost(self, to: int) -> list[Send]:
+        """Worker ``to`` is gone (it left, or is dead): the children sent to it
+        will never be ACCEPTed, and each is settled as if it had been, lest
+        its parent's DELETE wait for ever. Were ``to`` alive after all, its
+        FORK might reach the owner after that DELETE: the copy would fail on
+        use, a smaller harm than a value no one can free."""
+        sends: list[Send] = []
+        for child_id in [child for child, peer in self.child_peers.items() if peer == to]:
+            sends += self.child_accepted(child_id)
+            self.lost.add(child_id)
+        return sends
 
     def dropped(self, fork_id: ForkId) -> list[Send]:
         """The application let go of the RRef object of ``fork_id``."""

@@ -6,8 +6,7 @@ proxies) in ``rref.py``. This file drives the tables for one run
 (``init_rpc`` .. ``shutdown``): it turns pickling, unpickling, garbage
 collection and replies into protocol events, sends the messages the tables
 ask for, and serves the protocol's message kinds (``rrpc/worker.py``
-registers them). It also runs, on the owner, what a call naming an RRef asks
-of its value (``_invoke_on_owner`` and its siblings).
+registers them).
 
 Rules:
 
@@ -36,7 +35,12 @@ Rules:
   call on one host with an ACCEPT sent each, ~100 µs without).
 - Protocol messages have no timeout: the protocol is only correct if each is
   answered. A dead peer fails them at once (the agent notices), and a graceful
-  shutdown waits for them (``RRefService.drain``).
+  shutdown waits for them (``RRefService.drain``), as torch does, for
+  ``DRAIN_LIMIT`` at most: then it logs what is still pending and goes on.
+- A child (a copy of a user RRef sent on) is pending until its receiver
+  ACCEPTs it. A receiver that is gone never will: one that left, or fails a
+  liveness probe (``_probe``: when a fork with children is dropped while its
+  receiver is suspect, and every second of a drain), has its children settled.
 - A protocol message known never to have left (fault injection dropped it)
   is sent again (``Agent.send_reliably``), as torch's agent retries its RRef
   messages; it counts as in flight until answered.
@@ -68,14 +72,12 @@ from typing import Any
 
 import torch
 
-from rrpc import agent as agent_module
-from rrpc import autograd as dist_autograd
-from rrpc import codec, functions, logs, restricted
+from rrpc import codec, logs
 from rrpc.agent import Agent
 from rrpc.dispatch import Deferred
-from rrpc.functions import async_result_error, is_async_execution
 from rrpc.futures import on_done, outcome
 from rrpc.messages import (
+    CALL,
     RREF_ACCEPT,
     RREF_CREATE_FAILED,
     RREF_DELETE,
@@ -102,6 +104,10 @@ log = logging.getLogger("rrpc")
 _DROP, _SEND, _FLUSH = "drop", "send", "flush"
 _MAX_HELD = 256  # held DELETEs or ACCEPTs go at once when one peer has this many of a kind
 _HELD_KINDS = (RREF_DELETE, RREF_ACCEPT)  # held back (see the rules), many forks per message
+# A drain with no timeout of its own ends after this many seconds, as torch's
+# (``kDeleteAllUsersTimeout``): a peer that never answers must not hang shutdown.
+DRAIN_LIMIT = 100.0
+_PROBE_TIMEOUT = 2.0  # a liveness probe of a child's receiver (``_probe``)
 
 
 class RRefService:
@@ -145,6 +151,7 @@ class RRefService:
         self._accepts: collections.deque[Send] = collections.deque()
         self._queued = 0  # sends posted, not yet counted in flight (under ``lock``: ``post``)
         self.released: set[ForkId] = set()  # forks let go of by release_user_forks
+        self._probing: set[int] = set()  # ranks a liveness probe is out to (``_probe``)
         self.running = True
         self._sender = threading.Thread(
             target=self._run_sender, name=f"rrpc-rref-{agent.info.name}", daemon=True
@@ -225,6 +232,41 @@ class RRefService:
             self._send_all(sends)
             if not self.delete_delay:  # switched off: a DELETE per drop, at once
                 self._send_held()
+        if self.users.child_peers and self.agent.suspects:  # a DELETE may wait on them
+            self._probe(suspects_only=True)
+
+    def _probe(self, suspects_only: bool) -> None:
+        """Probe the receivers of pending children (``suspects_only``: those whose
+        carrier broke); the children of one that is gone are settled."""
+        with self.lock:
+            ranks = set(self.users.child_peers.values()) - self._probing
+        for rank in ranks:
+            if suspects_only and rank not in self.agent.suspects:
+                continue
+            try:
+                peer = self.agent.worker_info(rank)
+                what = "liveness probe of a pending RRef child's receiver"
+                probe = self.agent.send(peer, CALL, (int, (), {}), _PROBE_TIMEOUT, what)
+            except PeerUnavailableError as exc:  # it left the group
+                self._children_lost(rank, exc)
+                continue
+            except Exception:
+                continue  # this worker stops
+            self._probing.add(rank)
+            on_done(probe, functools.partial(self._probed, rank))
+
+    def _probed(self, rank: int, probe: torch.futures.Future) -> None:
+        self._probing.discard(rank)
+        error = outcome(probe)[1]
+        if isinstance(error, PeerUnavailableError) and self.running:
+            self._children_lost(rank, error)
+
+    def _children_lost(self, rank: int, error: BaseException) -> None:
+        with self.lock:
+            sends = self.users.children_lost(rank)
+            self.post(sends)
+            self.changed.notify_all()
+        logs.event("rref-child-lost", str(rank), "RRefs sent to rank %d settled: %s", rank, error)
 
     def _send_held(self) -> None:
         held, self._held = self._held, {}
@@ -341,7 +383,7 @@ class RRefService:
             if fork_id is None:
                 self.owners.fork_to_user(rref_id, child, holder)
             else:
-                self.users.fork_child(fork_id, child)
+                self.users.fork_child(fork_id, child, codec.current_peer().id)
         return child
 
     def undo_fork(self, rref_id: RRefId, fork_id: ForkId | None, child: ForkId) -> None:
@@ -494,13 +536,17 @@ class RRefService:
             self.post(sends)
 
     def drain(self, timeout: float) -> None:
-        """Wait until every confirmation, child and protocol message is answered."""
+        """Wait until every confirmation, child and protocol message is answered;
+        raise ``RpcError`` after ``timeout`` (inf: log, and return, after
+        ``DRAIN_LIMIT``). The receivers of pending children are probed each second."""
         gc.collect()  # RRefs in reference cycles: drop them now, not after shutdown
-        deadline = time.monotonic() + timeout
+        limit = DRAIN_LIMIT if timeout == math.inf else timeout
+        deadline = time.monotonic() + limit
+        probed = time.monotonic()
         while True:
             flushed = threading.Event()
             self.events.put((_FLUSH, flushed))
-            flushed.wait(None if deadline == math.inf else max(0.0, deadline - time.monotonic()))
+            flushed.wait(max(0.0, deadline - time.monotonic()))
             with self.lock:
                 pending = self.pending()
                 if not pending and flushed.is_set():
@@ -510,10 +556,13 @@ class RRefService:
                     break
                 # Answers notify; the poll covers drops queued by __del__ meanwhile.
                 self.changed.wait(min(remaining, 0.05))
-        raise RpcError(
-            f"shutdown of {self.agent.info.name}: RRef protocol still waiting after "
-            f"{timeout:g} s: {pending or 'queued events'}"
-        )
+            if "pending children" in pending and time.monotonic() - probed >= 1.0:
+                probed = time.monotonic()
+                self._probe(suspects_only=False)
+        what = f"RRef protocol still waiting after {limit:g} s: {pending or 'queued events'}"
+        if timeout != math.inf:
+            raise RpcError(f"shutdown of {self.agent.info.name}: {what}")
+        logs.event("rref-drain", self.agent.info.name, "shutdown goes on, %s", what)
 
     def stop(self, timeout: float = 5.0) -> None:
         """End the sender thread (waiting ``timeout`` seconds at most for it to
@@ -527,48 +576,5 @@ class RRefService:
             self.owners.entries.clear()
             self.users.forks.clear()
             self.users.pending_children.clear()
+            self.users.child_peers.clear()
         del released
-
-
-# -- Calls that name an RRef, on its owner ---------------------------------------
-def _owner_rref(target: Any) -> Any:
-    """On the owner: the owner RRef a call names, itself or by id (a
-    placeholder while its CREATE has not run yet)."""
-    if not isinstance(target, tuple):  # the RRef itself (an RRefId is a tuple)
-        return target
-    return agent_module.current_agent().rrefs.holder(target)
-
-
-@restricted.allow_call  # checks the method: check_method
-def _invoke_on_owner(target: Any, method: str, args: tuple, kwargs: dict) -> Any:
-    """On the owner: ``getattr(value, method)(*args, **kwargs)``; an
-    ``async_execution`` method's reply (or RRef value) waits for its own
-    Future, a ``Deferred``. A plain method's result is returned as it is: no
-    Future is made and waited on for the common case."""
-    value = _owner_rref(target).local_value()
-    if agent_module.current_agent().options.restricted:
-        functions.check_method(value, method)
-    bound = getattr(value, method)
-    if not is_async_execution(bound):
-        return bound(*args, **kwargs)
-    returned = bound(*args, **kwargs)
-    error = async_result_error(bound, returned)
-    if error is not None:
-        raise error
-    return Deferred(returned)
-
-
-@restricted.allow_call
-def _backward_on_owner(target: Any, context_id: int, retain_graph: bool) -> None:
-    value = _owner_rref(target).local_value()
-    if not isinstance(value, torch.Tensor):
-        raise RuntimeError("RRef should contain a tensor for .backward()")
-    if context_id == -1:
-        value.backward(retain_graph=retain_graph)
-    else:
-        dist_autograd.backward(context_id, [value], retain_graph=retain_graph)
-
-
-@restricted.allow_call
-def _rref_typeof_on_owner(target: Any) -> type:  # torch's name, in profiles
-    return type(_owner_rref(target).local_value())

@@ -14,7 +14,8 @@ Rules:
   fresh error and keeps none (``sync_result``).
 - Values on the owner live in the owner ``RRef`` object (``_future``: a
   ``torch.futures.Future`` of the value, pending while ``remote()``'s function
-  runs); ``evaluate_into`` runs that function into it.
+  runs); ``evaluate_into`` runs that function into it. A call that names an
+  RRef runs on its owner as ``_invoke_on_owner`` and its siblings.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 
 from rrpc import agent as agent_module
+from rrpc import autograd as dist_autograd
 from rrpc import functions, messages, restricted
 from rrpc.dispatch import Deferred
 from rrpc.functions import async_result_error, is_async_execution
@@ -151,3 +153,47 @@ def wait_result(future: torch.futures.Future, timeout: float, what: str) -> Any:
             f"{what} timed out after {timeout:g} s: RPC ran for more than its timeout"
         )
     return result(future)
+
+
+# -- Calls that name an RRef, on its owner ---------------------------------------
+def _owner_rref(target: Any) -> Any:
+    """On the owner: the owner RRef a call names, itself or by id (a
+    placeholder while its CREATE has not run yet)."""
+    if not isinstance(target, tuple):  # the RRef itself (an RRefId is a tuple)
+        return target
+    return agent_module.current_agent().rrefs.holder(target)
+
+
+@restricted.allow_call  # checks the method: check_method
+def _invoke_on_owner(target: Any, method: str, args: tuple, kwargs: dict) -> Any:
+    """On the owner: ``getattr(value, method)(*args, **kwargs)``; an
+    ``async_execution`` method's reply (or RRef value) waits for its own
+    Future, a ``Deferred``. A plain method's result is returned as it is: no
+    Future is made and waited on for the common case."""
+    value = _owner_rref(target).local_value()
+    if agent_module.current_agent().options.restricted:
+        functions.check_method(value, method)
+    bound = getattr(value, method)
+    if not is_async_execution(bound):
+        return bound(*args, **kwargs)
+    returned = bound(*args, **kwargs)
+    error = async_result_error(bound, returned)
+    if error is not None:
+        raise error
+    return Deferred(returned)
+
+
+@restricted.allow_call
+def _backward_on_owner(target: Any, context_id: int, retain_graph: bool) -> None:
+    value = _owner_rref(target).local_value()
+    if not isinstance(value, torch.Tensor):
+        raise RuntimeError("RRef should contain a tensor for .backward()")
+    if context_id == -1:
+        value.backward(retain_graph=retain_graph)
+    else:
+        dist_autograd.backward(context_id, [value], retain_graph=retain_graph)
+
+
+@restricted.allow_call
+def _rref_typeof_on_owner(target: Any) -> type:  # torch's name, in profiles
+    return type(_owner_rref(target).local_value())

@@ -10,6 +10,7 @@ tables must be empty again (`no_rrefs_left_behind`).
 from __future__ import annotations
 
 import gc
+import logging
 import pickle
 import subprocess
 import sys
@@ -897,6 +898,100 @@ def test_to_here_on_an_rref_whose_owner_died_raises_naming_the_owner():
     assert to_here[0] == "PeerUnavailableError" and "worker1" in to_here[1], to_here
     assert proxy[0] == "PeerUnavailableError" and "worker1" in proxy[1], proxy
     assert elapsed < 10.0
+
+
+# -- Receiver death ------------------------------------------------------------
+
+
+def _pong():
+    return "pong"
+
+
+def _echo(x):
+    return x
+
+
+def _receiver_dies(rank, world_size, ready, dead):
+    rrpc.init_rpc(
+        f"worker{rank}",
+        rank=rank,
+        world_size=world_size,
+        rpc_backend_options=rrpc.RpcBackendOptions(rpc_timeout=20.0),
+    )
+    if rank == 2:
+        rrpc.rpc_sync("worker0", _pong)  # worker0 knows it is up
+        ready.set()
+        threading.Event().wait()  # until the test kills it
+    assert dead.acquire(timeout=60)
+    result = None
+    if rank == 0:
+        rref = rrpc.remote("worker1", Box, args=(1,))
+        rref.to_here()
+        sent = _outcome(rrpc.rpc_sync, "worker2", _echo, args=(rref,))
+        del rref  # its DELETE waits for the child sent to worker2, which is dead
+        gc.collect()
+        wait_until(  # the child settled, the DELETE sent and answered
+            lambda: rrpc.rref_debug_info() == ZERO_DEBUG_INFO, timeout=30, what="no RRef left"
+        )
+        result = {"sent": sent[0], "info": rrpc.rref_debug_info()}
+    started = time.monotonic()
+    rrpc.shutdown()  # graceful: must not wait for worker2
+    return result, time.monotonic() - started
+
+
+@pytest.mark.timeout(180)
+def test_an_rref_sent_to_a_dead_worker_is_let_go_and_graceful_shutdown_ends():
+    """A user RRef pickled into a call to a worker that died is a child its
+    receiver never ACCEPTs: once the receiver fails a liveness probe, the
+    child is settled, the parent's DELETE goes, and shutdown does not wait."""
+    ready, dead = mp_context.Event(), mp_context.Semaphore(0)
+    with WorkerGroup(_receiver_dies, world_size=3, args=(ready, dead), init=False) as group:
+        assert ready.wait(60)
+        group.kill(2)
+        dead.release()
+        dead.release()
+        results = group.wait(timeout=150, may_die={2})
+    (sender, took), (_, owner_took) = results[0], results[1]
+    assert sender["sent"] == "PeerUnavailableError", sender
+    assert sender["info"] == ZERO_DEBUG_INFO, sender
+    assert took < 30 and owner_took < 30, (took, owner_took)
+
+
+@pytest.mark.timeout(60)
+def test_a_drain_without_timeout_gives_up_after_its_limit_and_logs_what_is_pending(
+    caplog, monkeypatch
+):
+    """As torch's (``kDeleteAllUsersTimeout``): a graceful shutdown with no
+    timeout waits for the RRef protocol a bounded time, then goes on; a
+    drain with a timeout of its own still raises."""
+    import math
+    from types import SimpleNamespace
+
+    from rrpc import logs, rref_service
+    from rrpc.messages import RpcError, WorkerInfo
+
+    monkeypatch.setattr(rref_service, "DRAIN_LIMIT", 0.5, raising=False)
+    monkeypatch.setattr(logs, "_last", {})
+    agent = SimpleNamespace(
+        info=WorkerInfo("worker0", 0),
+        incarnation=0,
+        options=SimpleNamespace(rref_delete_delay=0.005),
+        stopped=False,
+        suspects=set(),
+    )
+    service = rref_service.RRefService(agent, lambda service, rref_id: None)
+    try:
+        service.created((1, 5), (0, 1), owner=1)  # a CREATE its owner never answers
+        with caplog.at_level(logging.WARNING, logger="rrpc"):
+            drain = threading.Thread(target=service.drain, args=(math.inf,), daemon=True)
+            drain.start()
+            drain.join(timeout=30)
+        assert not drain.is_alive(), "the drain still waits"
+        assert "pending confirmations" in caplog.text, caplog.text
+        with pytest.raises(RpcError, match="still waiting after 0.2 s"):
+            service.drain(0.2)
+    finally:
+        service.stop()
 
 
 @pytest.mark.slow

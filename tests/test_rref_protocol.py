@@ -127,6 +127,23 @@ def test_fork_of_a_fork_is_covered_by_each_parent_in_turn():
     assert owner.entries[RREF].forks == {carol_fork}
 
 
+def test_children_sent_to_a_worker_that_is_gone_release_their_parent():
+    owner = make_owner()
+    alice = alice_created_and_confirmed(owner)
+    carol_fork = (ALICE, 4)
+    alice.fork_child(ALICE_FORK, BOB_FORK, to=BOB)  # Bob dies before he unpickles it
+    alice.fork_child(ALICE_FORK, carol_fork, to=3)
+    assert alice.dropped(ALICE_FORK) == []  # two children pending
+    assert alice.children_lost(BOB) == []  # Carol's still is
+    assert alice.children_lost(BOB) == []  # nothing more sent to Bob
+    assert alice.child_accepted(carol_fork) == [Send(RREF_DELETE, OWNER, (RREF, ALICE_FORK))]
+    assert alice.counts()["num_pending_children"] == 0 and alice.forks == {}
+    # Bob was alive after all: his ACCEPT of the child settled as lost is no error, once.
+    assert alice.child_accepted(BOB_FORK) == []
+    with pytest.raises(ProtocolError, match="ACCEPT of child"):
+        alice.child_accepted(BOB_FORK)
+
+
 def test_a_fork_the_owner_could_not_count_still_releases_its_parent():
     owner = make_owner()
     alice = alice_created_and_confirmed(owner)
