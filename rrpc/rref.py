@@ -532,16 +532,19 @@ def remote(
     payload_args, payload_kwargs = tuple(args or ()), dict(kwargs or {})
     what = messages.Description((naming, "remote() of {}", func))
     if peer.id == ctx.rank:
-        # Run it through the agent like any call (arguments are copied, the
-        # function runs on the worker pool); the result goes into the owner RRef.
-        value: torch.futures.Future = torch.futures.Future()
-        request: tuple = (func, payload_args, payload_kwargs)
-        call = agent.send(peer, CALL, request, timeout, what, mode="remote")
-        rref = RRef._make(ctx, ctx.new_id(), None, peer, value)
-        # As torch: the call's outcome is _get_future()'s, and a call that ran
-        # past remote()'s timeout is an RRef creation that timed out.
-        rref._creation = call
-        on_done(call, functools.partial(complete_created, value, rref._creation_timeout()))
+        # As torch: a CREATE to this worker itself (arguments copied, the function
+        # run on the worker pool as a request is) whose handler sets the value to
+        # the very object returned (``here``). Its outcome is _get_future()'s.
+        rref = RRef._make(ctx, ctx.new_id(), None, peer, torch.futures.Future())
+        ctx.here[rref._id] = rref._future
+        request: tuple = (rref._id, None, func, payload_args, payload_kwargs)
+        try:
+            rref._creation = agent.send(peer, RREF_CREATE, request, timeout, what, mode="remote")
+        except BaseException:
+            del ctx.here[rref._id]
+            raise
+        timed_out = rref._creation_timeout()
+        on_done(rref._creation, functools.partial(complete_created, ctx.here, rref._id, timed_out))
         return rref
     rref_id, fork_id = ctx.new_id(), ctx.new_id()
     ctx.created(rref_id, fork_id, peer.id)

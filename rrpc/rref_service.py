@@ -152,6 +152,9 @@ class RRefService:
         self._queued = 0  # sends posted, not yet counted in flight (under ``lock``: ``post``)
         self.released: set[ForkId] = set()  # forks let go of by release_user_forks
         self._probing: set[int] = set()  # ranks a liveness probe is out to (``_probe``)
+        # remote() to this worker: the value futures its CREATEs are still to
+        # run into (``serve_create``; rref.py's ``remote``), by rref id.
+        self.here: dict[RRefId, torch.futures.Future] = {}
         self.running = True
         self._sender = threading.Thread(
             target=self._run_sender, name=f"rrpc-rref-{agent.info.name}", daemon=True
@@ -437,6 +440,10 @@ class RRefService:
 
     def serve_create(self, payload: tuple, caller: WorkerInfo) -> Any:
         rref_id, fork_id, func, args, kwargs = payload
+        if fork_id is None:  # remote() to this worker (no fork); from no one else
+            value = self.here.pop(rref_id, None) if caller.id == self.rank else None
+            # None: remote() failed (timed out) before this ran, and keeps no value.
+            return None if value is None else evaluate_into(value, func, args, kwargs)
         with self.lock:
             holder = self.owners.create(rref_id, fork_id)
         # Counted; the reply (the user's confirmation) goes once the value is set.

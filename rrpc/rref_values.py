@@ -33,7 +33,7 @@ from rrpc import functions, messages, restricted
 from rrpc.dispatch import Deferred
 from rrpc.functions import async_result_error, is_async_execution
 from rrpc.futures import SyncReply, copy_error, on_done, outcome, wait_until
-from rrpc.messages import RpcTimeoutError
+from rrpc.messages import RpcError, RpcTimeoutError
 
 
 @restricted.allow
@@ -137,13 +137,16 @@ def sync_result(reply: SyncReply) -> Any:
 
 
 def complete_created(
-    target: torch.futures.Future, timed_out: BaseException, source: torch.futures.Future
+    here: dict, rref_id: Any, timed_out: BaseException, source: torch.futures.Future
 ) -> None:
-    """``complete`` for remote() to this worker: a timeout is the creation's."""
-    value, error = outcome(source)
-    if isinstance(error, RpcTimeoutError):
-        error = timed_out
-    target.set_result(value if error is None else Failed(error))
+    """remote() to this worker answered (``source``): if it failed before its
+    handler took the value future out of ``here``, that error is the value
+    (a timeout is the creation's). Taken, the handler sets it."""
+    target = here.pop(rref_id, None)
+    if target is None:
+        return
+    error = outcome(source)[1] or RpcError("remote() to this worker was answered unrun")
+    target.set_result(Failed(timed_out if isinstance(error, RpcTimeoutError) else error))
 
 
 def wait_result(future: torch.futures.Future, timeout: float, what: str) -> Any:

@@ -342,6 +342,31 @@ def test_remote_to_self_returns_an_owner_rref(cluster, no_rrefs_left_behind):
     assert torch.equal(here, torch.full((2,), 2.0)) and torch.equal(local, here)
 
 
+_KEPT = Box(0)
+
+
+def _kept_box():
+    return _KEPT
+
+
+def _remote_to_self_keeps_the_object():
+    rref = rrpc.remote("worker0", _kept_box)
+    same = rref.local_value() is _KEPT
+    rref.rpc_sync().add(5)  # acts on the object itself, not on a copy
+    lock = rrpc.remote("worker0", threading.Lock)  # does not pickle: never pickled
+    arg = torch.zeros(2)
+    copied = rrpc.remote("worker0", _echo, args=(arg,)).local_value()
+    return same, _KEPT.value, type(lock.local_value()).__name__, copied is arg
+
+
+@pytest.mark.timeout(60)
+def test_remote_to_self_keeps_the_very_object_returned_as_torch(cluster, no_rrefs_left_behind):
+    """torch's OwnerRRef holds what the function returned; its arguments are
+    copied (they travel in the request), the result is not."""
+    same, value, lock_type, arg_is_same = cluster.run(_remote_to_self_keeps_the_object)
+    assert (same, value, lock_type, arg_is_same) == (True, 5, "lock", False)
+
+
 def _module_forward():
     x = torch.arange(8.0).reshape(2, 4)
     rref = rrpc.remote("worker1", _seeded_linear)
