@@ -78,7 +78,8 @@ def on_discard(undo: Callable[[], None]) -> None:
 
     A reducer with a side effect (pickling an RRef counts a fork) registers
     its undo here; it runs if this attempt fails or is retried with cloudpickle,
-    so that only the pickling that is sent has effects."""
+    or if ``encode`` refuses the message it made, so that only the pickling
+    that is sent has effects."""
     if _state.undo is not None:
         _state.undo.append(undo)
 
@@ -223,6 +224,8 @@ def _dump_with(pickler: Any, out: io.BytesIO, buffers: list, obj: Any) -> tuple:
         _undo()
         raise
     finally:
+        if previous_undo is not None:  # kept: an enclosing ``encode`` may refuse it still
+            previous_undo.extend(_state.undo)
         _state.undo = previous_undo
         # A reused pickler must not keep the tensors alive.
         pickler.grad_tensors = pickler.storages = None
@@ -294,7 +297,41 @@ def encode(
     With ``shared_memory``, buffers of ``shm_threshold`` bytes or more are
     copied into its slots and only their descriptors travel in the frame.
     ``same_main``: the peer runs this worker's ``__main__`` script (see ``dumps``)."""
-    payload, buffers, grad_tensors = dumps(obj, peer, same_main)
+    undo: list[Callable[[], None]] = []
+    previous_undo, _state.undo = _state.undo, undo
+    try:
+        pickled = dumps(obj, peer, same_main)
+    finally:
+        _state.undo = previous_undo
+    try:
+        return _framed(
+            kind,
+            request_id,
+            pickled,
+            autograd_context_id,
+            peer,
+            max_message_size,
+            shared_memory,
+            shm_threshold,
+        )
+    except BaseException:  # refused after pickling (too large): its side effects go
+        for step in reversed(undo):
+            step()
+        raise
+
+
+def _framed(
+    kind: int,
+    request_id: int,
+    pickled: tuple,
+    autograd_context_id: int,
+    peer: Any,
+    max_message_size: int,
+    shared_memory: Placer | None,
+    shm_threshold: int,
+) -> Outgoing:
+    """``encode``'s frame of a pickled message, or MessageTooLargeError."""
+    payload, buffers, grad_tensors = pickled
     if not buffers and not (max_message_size and len(payload) > max_message_size):
         first = compact_first(kind, request_id, autograd_context_id, payload, ())
         return Outgoing([first], len(first), 0, grad_tensors)  # the commonest: no tensor

@@ -566,6 +566,32 @@ def _discarded_picklings():
     return retried, unpicklable[0], before, rrpc.rref_debug_info()
 
 
+def _too_large_with_rrefs(rank, world_size):
+    if rank != 0:
+        return None
+    owned = rrpc.RRef(torch.ones(2))
+    used = rrpc.remote("worker1", torch.ones, args=(2,))
+    used.to_here()
+    big = torch.zeros(1 << 16)  # 256 KiB, over max_message_size
+    refused = [
+        _outcome(rrpc.rpc_sync, "worker1", _echo, args=((rref, big),))[0] for rref in (owned, used)
+    ]
+    del owned, used
+    gc.collect()
+    wait_until(lambda: rrpc.rref_debug_info() == ZERO_DEBUG_INFO, timeout=30, what="no RRef left")
+    return refused
+
+
+@pytest.mark.timeout(120)
+def test_forks_of_a_message_refused_as_too_large_are_undone():
+    """The size checks come after pickling, which counted each RRef's fork
+    (on the owner) or made it a pending child (on a user): a refused message
+    undoes them, or the value leaks and shutdown waits for the child."""
+    options = rrpc.RpcBackendOptions(max_message_size=100_000)
+    refused, _ = run_workers(_too_large_with_rrefs, world_size=2, backend_options=options)
+    assert refused == ["MessageTooLargeError"] * 2
+
+
 def test_forks_of_a_message_that_is_repickled_or_not_sent_are_undone(cluster, no_rrefs_left_behind):
     retried, unpicklable, before, after = cluster.run(_discarded_picklings)
     assert retried == (1, 2, 3)
