@@ -75,10 +75,13 @@ def packet_limit(packet_size: int) -> int:
     return max(packet_size, MIN_PACKET_LIMIT)
 
 
-def _channel_options(peer_timeout: float, packet_size: int) -> list[tuple[str, int]]:
-    """A frozen or cut-off peer (its socket still open) is noticed within
-    ``peer_timeout`` seconds: a keepalive ping every half of it, and the
-    stream fails when a ping goes unanswered for the other half."""
+def _options(peer_timeout: float, packet_size: int, server: bool) -> list[tuple[str, int]]:
+    """A channel's gRPC options (``server``: the server's). A frozen or cut-off
+    peer (its socket still open) is noticed within ``peer_timeout`` seconds at
+    both ends of a stream: a keepalive ping every half of it, and the
+    connection fails when a ping goes unanswered for the other half. (With
+    gRPC's defaults on the server's side, a caller frozen while a reply was
+    sent to it kept its stream, and the reply, 20 s whatever ``peer_timeout``.)"""
     half_ms = max(500, int(peer_timeout * 500))
     return [
         # Our packets are bounded by chunk_size; gRPC's own limits must not bite.
@@ -89,18 +92,17 @@ def _channel_options(peer_timeout: float, packet_size: int) -> list[tuple[str, i
         ("grpc.http2.ping_timeout_ms", half_ms),  # left at its default, keepalive never fires
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
-        # Each Connection gets its own TCP connection, not one shared by all channels.
-        ("grpc.use_local_subchannel_pool", 1),
+        *(_SERVER_OPTIONS if server else _CHANNEL_OPTIONS),
     ]
 
 
+# Each Connection gets its own TCP connection, not one shared by all channels.
+_CHANNEL_OPTIONS = [("grpc.use_local_subchannel_pool", 1)]
 _SERVER_OPTIONS = [
-    ("grpc.max_send_message_length", -1),
     ("grpc.so_reuseport", 0),
     # Accept the callers' keepalive pings (as often as every 0.5 s) without a GOAWAY.
     ("grpc.http2.min_ping_interval_without_data_ms", 500),
     ("grpc.http2.max_ping_strikes", 0),
-    ("grpc.keepalive_permit_without_calls", 1),
 ]
 
 
@@ -154,7 +156,7 @@ class Connection:
             )
             metadata = [*metadata, (bulk.KEY_METADATA, key.hex())]
         self._outbox = Outbox(packet_size, batch_delay, batch_min_open, stream=self.stream)
-        options = _channel_options(peer_timeout, packet_size)
+        options = _options(peer_timeout, packet_size, server=False)
         if credentials is None:
             self._channel = grpc.insecure_channel(address, options=options)
         else:
@@ -340,10 +342,7 @@ class Server:
         # An executor thread sets each incoming stream up (``_exchange``), then is free.
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=4096, thread_name_prefix="rrpc-stream"),
-            options=[
-                *_SERVER_OPTIONS,
-                ("grpc.max_receive_message_length", packet_limit(packet_size)),
-            ],
+            options=_options(peer_timeout, packet_size, server=True),
         )
         exchange = functools.partial(self._exchange)
         exchange.experimental_non_blocking = True  # type: ignore[attr-defined]

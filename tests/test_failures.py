@@ -857,6 +857,100 @@ def test_a_frozen_peer_fails_pending_calls_after_peer_timeout_and_is_usable_afte
     assert seen["after resume"]["value"] == "worker1"
 
 
+# -- A caller frozen while its large reply is sent --------------------------------
+
+_big_reply_events = []  # worker1's (started, release)
+
+
+def _big_bytes():
+    """32 MiB: far more than a frozen gRPC caller takes before the callee's
+    send waits in flow control (~4 MiB), until the caller reads or its stream ends."""
+    return bytes(range(256)) * (32 << 12)
+
+
+def _big_reply():
+    started, release = _big_reply_events
+    started.set()
+    assert release.wait(60)  # set once the caller is frozen
+    return _big_bytes()
+
+
+def _reply_bytes_unsent():
+    """Reply bytes this worker's gRPC streams hold, not taken by gRPC yet."""
+    return sum(outbox.backlog for outbox in rrpc.agent.current_agent().server._outboxes)
+
+
+def _freeze_during_a_large_reply(rank, world_size, events, stream_ends):
+    """Worker2 calls worker1 for 32 MiB and is frozen (by the test) before
+    the reply goes; worker0 meanwhile calls worker1, which has one worker
+    thread, and with ``stream_ends`` (a short peer_timeout) waits for worker1
+    to end the frozen caller's stream. Each reports what it saw."""
+    started, release, frozen, measured, resumed = events
+    _big_reply_events.extend((started, release))
+    options = rrpc.RpcBackendOptions(num_worker_threads=1)
+    rrpc.init_rpc(f"worker{rank}", rank=rank, world_size=world_size, rpc_backend_options=options)
+    seen = {}
+    if rank == 2:
+        pending = rrpc.rpc_async("worker1", _big_reply, timeout=0)
+        # Only this worker waits on `resumed`, set after SIGCONT: a process
+        # stopped inside an Event's lock would block its other waiters.
+        assert resumed.wait(120)
+        seen["reply"] = _outcome(lambda: pending.wait() == _big_bytes())
+        seen["again"] = _outcome(rrpc.rpc_sync, "worker1", _whoami, timeout=30)
+    elif rank == 0:
+        assert frozen.wait(60)
+        frozen_at = time.monotonic()
+        try:
+            # worker1 runs it only once the big reply's send gave its permit back.
+            seen["whoami"] = _outcome(rrpc.rpc_sync, "worker1", _whoami, timeout=15)
+            if "value" in seen["whoami"]:
+                unsent = lambda: rrpc.rpc_sync("worker1", _reply_bytes_unsent)  # noqa: E731
+                seen["unsent"] = unsent()
+                if stream_ends:
+                    _wait_for(lambda: unsent() == 0, 30, "worker1 ending the frozen stream")
+                    seen["ended after"] = time.monotonic() - frozen_at
+        finally:
+            measured.set()
+    rrpc.shutdown()
+    return seen
+
+
+def _run_frozen_during_a_large_reply(peer_timeout):
+    """The test's side of ``_freeze_during_a_large_reply``: what each rank saw."""
+    events = tuple(mp_context.Event() for _ in range(5))
+    started, release, frozen, measured, resumed = events
+    env = {"RRPC_LANE": "0", "RRPC_PEER_TIMEOUT": str(peer_timeout)}  # over gRPC
+    args = (events, peer_timeout < 10)
+    with WorkerGroup(_freeze_during_a_large_reply, 3, args=args, init=False, env=env) as group:
+        assert started.wait(60), "worker1 never ran the large call"
+        group.send_signal(2, signal.SIGSTOP)
+        release.set()
+        frozen.set()
+        try:
+            measured.wait(90)  # worker0 has seen what it looks for (or failed)
+        finally:
+            group.send_signal(2, signal.SIGCONT)
+            resumed.set()
+        return group.wait(timeout=90)
+
+
+@pytest.mark.timeout(180)
+def test_a_callee_ends_the_stream_of_a_caller_frozen_past_peer_timeout():
+    # Before: with gRPC's keepalive defaults on the server's side, the stream,
+    # with the reply held up in it, ended 20.4 s after the freeze, whatever
+    # peer_timeout said.
+    seen = _run_frozen_during_a_large_reply(2)
+    survivor, frozen = seen[0], seen[2]
+    assert survivor["whoami"].get("value") == "worker1", survivor["whoami"]
+    # peer_timeout (2 s) after the freeze (1.4 s measured).
+    assert survivor["ended after"] < 10.0, survivor
+    # Resumed, the caller learns at once that its call failed, and calls again.
+    assert frozen["reply"].get("type") == "PeerUnavailableError", frozen["reply"]
+    assert "worker1" in frozen["reply"]["message"], frozen["reply"]
+    assert frozen["reply"]["elapsed"] < 30.0, frozen["reply"]
+    assert frozen["again"].get("value") == "worker1", frozen["again"]
+
+
 # -- Shutdown around a frozen peer ------------------------------------------------
 
 
