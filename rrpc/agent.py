@@ -100,7 +100,7 @@ from rrpc.messages import (
     thread_state,
 )
 from rrpc.options import UNSET_RPC_TIMEOUT, RpcBackendOptions
-from rrpc.pool import WorkerPool
+from rrpc.pool import WorkerPool, lending
 from rrpc.rendezvous import Rendezvous
 from rrpc.scheduler import Scheduler
 from rrpc.streams import CLOSED
@@ -229,6 +229,7 @@ class Agent:
             bulk_channel=options.bulk_channel,
             peer_timeout=options.peer_timeout,
             unread_replies=unread_replies,
+            lend=lending,  # a reply's send that its caller holds up keeps no permit
         )
         self.address = self.server.address
         self.server.admission.gate(self.ready, options.init_timeout)

@@ -9,7 +9,8 @@ queue stops moving (see its doc).
 
 This module imports nothing of rrpc: ``futures`` sits above it and asks it,
 through ``this_thread``, whether the waiting thread runs a request or a
-callback (see ``futures.blocking``). The agent's module doc and
+callback (see ``futures.blocking``; ``lending`` for a wait that is not for
+an RPC: a reply's send that its caller holds up). The agent's module doc and
 ARCHITECTURE.md say where the pools sit among rrpc's threads.
 """
 
@@ -29,13 +30,32 @@ log = logging.getLogger("rrpc")
 
 
 class _ThisThread(threading.local):
-    # (before, after) a wait for an RPC, set while a pool's thread runs a
-    # task: the worker pool gives a request's permit back meanwhile; the
-    # callback pool hands its queue on to another thread.
+    # (before, after) a wait for an RPC (or a send, ``lending``), set while
+    # a pool's thread runs a task: the worker pool gives a request's permit
+    # back meanwhile; the callback pool hands its queue on to another thread.
     blocking_hooks: tuple[Callable[[], None], Callable[[], None]] | None = None
 
 
 this_thread = _ThisThread()
+
+
+def lending(wait: Callable[..., Any], *args: Any) -> Any:
+    """``wait(*args)``, a wait that may last as long as a peer chooses (a
+    reply's send held up by its caller's flow control), with what the
+    calling thread's task holds lent meanwhile, as for a wait for an RPC:
+    a request's worker permit given back, a callback runner's queue handed
+    on. Without it, a caller frozen while its reply was sent kept a permit
+    until ``peer_timeout`` ended its stream; with ``num_worker_threads=1``
+    every other peer's calls waited that long."""
+    hooks = this_thread.blocking_hooks
+    if hooks is None:  # not a pool's task: nothing to lend
+        return wait(*args)
+    give_back, take_back = hooks
+    give_back()
+    try:
+        return wait(*args)
+    finally:
+        take_back()
 
 
 class ElasticThreads:
@@ -341,8 +361,9 @@ class WorkerPool:
     Future's ``wait``) gives its permit back while it waits
     (``futures.blocking`` calls ``this_thread.blocking_hooks``), and a thread
     is added if none is free: a chain of nested calls deeper than ``size``
-    completes instead of deadlocking. Such extra threads end after
-    ``_EXTRA_IDLE`` seconds without work."""
+    completes instead of deadlocking. So does one whose reply's send waits
+    for a caller that does not read (``lending``). Such extra threads end
+    after ``_EXTRA_IDLE`` seconds without work."""
 
     _EXTRA_IDLE = 5.0
 

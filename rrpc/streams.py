@@ -88,6 +88,13 @@ BUFFERS_PER_REQUEST = 256
 # most this plus the replies of the requests in flight; a caller that reads
 # gets every reply.
 REPLY_BACKLOG = 64 << 20
+# Bytes to send from which a thread sending in a pushed outbox lends its task's
+# worker permit (``push``'s ``lend``) for the rest of its turn: a send waits in
+# flow control until the peer reads, and a caller frozen while its 64 MiB reply
+# went out held the permit (with num_worker_threads=1, every other peer's calls
+# waited) until ``peer_timeout``. A frozen gRPC caller took ~3.9 MiB of replies
+# before a send blocked: a smaller turn blocks only behind ~60 unread ones.
+LEND_AT = 64 << 10
 
 _CLOSE = object()  # queued to end a stream's sending side
 
@@ -312,7 +319,8 @@ class Outbox:
     every frame queued by others while it sends, and no thread is woken;
     only a thread that serves another stream (``thread_state.transport``,
     not this stream's reader) does not, lest a slow peer here stall a stream
-    there: it wakes the outbox's own sender thread instead.
+    there: it wakes the outbox's own sender thread instead. One with
+    ``LEND_AT`` bytes to send lends its worker permit as it sends them.
 
     ``backlog`` (bytes put and not yet handed to the carrier) is kept only
     when ``track_backlog``: the callee's reply side, whose readers wait in
@@ -363,6 +371,7 @@ class Outbox:
         # whether the end was sent.
         self._send: Callable[[bytes], Any] | None = None
         self._finish: Callable[[BaseException | None], Any] = lambda error: None
+        self._lend: Callable[..., Any] | None = None
         self._sending = False
         self._wanted = False
         self._sender: threading.Thread | None = None
@@ -454,14 +463,17 @@ class Outbox:
         send: Callable[[bytes], Any],
         finish: Callable[[BaseException | None], Any],
         name: str = "rrpc-send",
+        lend: Callable[..., Any] | None = None,
     ) -> None:
         """From now on, frames go out through ``send(packet)`` (which returns
         once the carrier took the packet), from the threads that queue them
         (see the class doc); at the end, ``finish(error)`` runs once, with the
         error the outbox ended with (None: cleanly). Frames queued before go
-        now. ``name``: the sender thread's, should one be needed."""
+        now. ``name``: the sender thread's, should one be needed. ``lend(fn,
+        *args)`` runs a turn once ``LEND_AT`` bytes wait (``pool.lending``)."""
         self._finish = finish
         self._sender_name = name
+        self._lend = lend
         self._send = send
         self._flush()
 
@@ -497,9 +509,11 @@ class Outbox:
                 self._sending = True
             self._send_queued()
 
-    def _send_queued(self) -> None:
-        """With the sending turn: send until nothing is queued, then give the turn up."""
+    def _send_queued(self, lent: bool = False) -> None:
+        """With the sending turn: send until nothing is queued, then give it up."""
         while True:
+            if not lent and self.backlog >= LEND_AT and self._lend is not None:
+                return self._lend(self._send_queued, True)
             batch, end = self._take(block=False)
             try:
                 for packet in self._cut(batch):

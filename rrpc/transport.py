@@ -325,10 +325,12 @@ class Server:
         bulk_channel: bool = False,
         peer_timeout: float = 8.0,
         unread_replies: streams.UnreadReplies | None = None,
+        lend: Callable[..., Any] | None = None,
     ):
         """``bulk_channel``: accept bulk sockets beside the streams (``bulk_port``);
-        ``unread_replies``: see ``streams.admit_with``."""
+        ``unread_replies``: see ``streams.admit_with``; ``lend``: ``Outbox.push``'s."""
         self._on_frame = on_frame
+        self._lend = lend
         self._attach = attach
         self._unread = unread_replies
         self._token = auth.Token(auth_token) if auth_token is not None else None
@@ -447,12 +449,11 @@ class Server:
         # away with requests unanswered, only this ends the stream.
         context.add_callback(stream_over)
         self._outboxes.add(outbox)
-        outbox.push(send, finish, name=f"rrpc-send-{self._rank}<-{peer_rank}")
+        outbox.push(send, finish, f"rrpc-send-{self._rank}<-{peer_rank}", self._lend)
         attach = functools.partial(self._attach, peer_rank) if self._attach else None
         reader = wire.FrameReader(
             self._max_message_size, attach, channel.claim if channel is not None else None
         )
-
         respond: Callable[[list[Any]], Any] = outbox.put
         if channel is not None:
             respond = functools.partial(channel.send, put=outbox.put)

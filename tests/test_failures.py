@@ -935,6 +935,21 @@ def _run_frozen_during_a_large_reply(peer_timeout):
 
 
 @pytest.mark.timeout(180)
+def test_a_caller_frozen_while_its_large_reply_is_sent_holds_no_worker_thread():
+    # Before: the thread that ran the call sent the reply itself, holding
+    # worker1's one worker permit while gRPC's flow control waited for the
+    # frozen caller; worker0's call timed out (torch answers it in ~1 ms).
+    # peer_timeout 60 s: the frozen caller's stream outlives the freeze.
+    seen = _run_frozen_during_a_large_reply(60)
+    survivor, frozen = seen[0], seen[2]
+    assert survivor["whoami"].get("value") == "worker1", survivor["whoami"]
+    assert survivor["whoami"]["elapsed"] < 10.0, survivor["whoami"]
+    assert survivor["unsent"] > 4 << 20, survivor  # the reply was held up meanwhile
+    assert frozen["reply"].get("value") is True, frozen["reply"]  # all of it, once resumed
+    assert frozen["again"].get("value") == "worker1", frozen["again"]
+
+
+@pytest.mark.timeout(180)
 def test_a_callee_ends_the_stream_of_a_caller_frozen_past_peer_timeout():
     # Before: with gRPC's keepalive defaults on the server's side, the stream,
     # with the reply held up in it, ended 20.4 s after the freeze, whatever

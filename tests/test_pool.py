@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from rrpc import futures
-from rrpc.pool import ElasticThreads, HandOnThreads, WorkerPool
+from rrpc.pool import ElasticThreads, HandOnThreads, WorkerPool, lending
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -106,6 +106,25 @@ def test_nested_waits_deeper_than_the_pool_complete_their_permit_given_back():
         assert finished.wait(WAIT)
     finally:
         pool.stop(WAIT)
+
+
+def test_a_request_whose_reply_waits_for_its_peer_lends_its_permit_meanwhile():
+    pool = WorkerPool(1, "rrpc-test-pool")
+    peer_reads, other_ran = threading.Event(), threading.Event()
+
+    def request_with_a_reply_held_up():
+        # As a reply's send that a caller that does not read holds up (streams.Outbox).
+        lending(peer_reads.wait, WAIT)
+
+    try:
+        pool.submit(request_with_a_reply_held_up)
+        pool.submit(other_ran.set)
+        assert other_ran.wait(WAIT)  # on the one permit, while the first one's send waits
+        assert not peer_reads.is_set()
+    finally:
+        peer_reads.set()
+        pool.stop(WAIT)
+    assert lending(int, "7") == 7  # not a pool's task: nothing to lend, it just waits
 
 
 def test_run_inline_refuses_while_a_submitted_request_has_not_started():

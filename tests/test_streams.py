@@ -275,6 +275,44 @@ def test_a_carrier_that_fails_to_send_ends_the_outbox_with_its_error():
     assert carrier.finished == [failure]
 
 
+def _lend_recorder(outbox, lent):
+    """``Outbox.push``'s ``lend``, recording the bytes waiting when a turn lends."""
+
+    def lend(fn, *args):
+        lent.append(outbox.backlog)
+        return fn(*args)
+
+    return lend
+
+
+def test_a_turn_with_lend_at_bytes_to_send_lends_its_permit_and_a_small_one_does_not():
+    outbox = streams.Outbox(packet_size=1 << 20, track_backlog=True)
+    carrier, lent = _Carrier(), []
+    outbox.push(carrier.send, carrier.finish, lend=_lend_recorder(outbox, lent))
+    me = threading.current_thread().name
+    outbox.put([b"small;"])  # the common reply: sent as before, nothing lent
+    assert (carrier.sent, lent) == ([(b"small;", me)], [])
+    large = bytes(streams.LEND_AT)  # may wait for a peer that does not read
+    outbox.put([large])
+    assert (carrier.sent[1], lent, outbox.backlog) == ((large, me), [streams.LEND_AT], 0)
+
+
+def test_a_turn_lends_from_the_moment_lend_at_bytes_are_queued_by_others():
+    outbox = streams.Outbox(packet_size=1 << 20, track_backlog=True)
+    large, lent = bytes(streams.LEND_AT), []
+
+    def another_thread_queues_a_large_one():  # while the small one is sent
+        if len(carrier.sent) == 1:
+            other = threading.Thread(target=outbox.put, args=([large],))
+            other.start()
+            other.join(5)  # it returns at once: this thread sends its frame
+
+    carrier = _Carrier(another_thread_queues_a_large_one)
+    outbox.push(carrier.send, carrier.finish, lend=_lend_recorder(outbox, lent))
+    outbox.put([b"small;"])
+    assert ([packet for packet, _ in carrier.sent], lent) == ([b"small;", large], [len(large)])
+
+
 class _Gate(threading.Event):
     """An event that says when someone first waits on it."""
 
