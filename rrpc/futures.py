@@ -73,15 +73,7 @@ def blocking(wait: Callable[..., Any], *args: Any) -> Any:
     hand_off = thread_state.hand_off  # set while a stream's reader runs the request
     if hand_off is not None:
         hand_off()
-    hooks = pool.this_thread.blocking_hooks  # set by the pools while they run a task
-    if hooks is None:
-        return wait(*args)
-    give_back, take_back = hooks
-    give_back()
-    try:
-        return wait(*args)
-    finally:
-        take_back()
+    return pool.lending(wait, *args)  # what the pools' task holds, lent meanwhile
 
 
 def _run_callback(task: tuple[Callable[..., Any], tuple]) -> None:
