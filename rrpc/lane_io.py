@@ -231,18 +231,24 @@ def open_as_callee(
 ) -> int:
     """The callee's side of the opening exchange on a non-blocking socket: the
     caller's rank, once it proved the token (``where``: this end's listening
-    address). Raises AuthenticationError, LaneBroken, OSError or struct.error."""
-    deadline_ms = int(HANDSHAKE_TIMEOUT * 1000)
-    found, caller_rank, caller_nonce = HELLO.unpack(recv_exactly(sock, HELLO.size, deadline_ms))
+    address), within one limit for the whole exchange (a peer that has not
+    proved itself holds this thread that long at most). Raises
+    AuthenticationError, LaneBroken, OSError or struct.error."""
+    deadline = time.monotonic() + HANDSHAKE_TIMEOUT
+
+    def left_ms() -> int:
+        return max(1, int((deadline - time.monotonic()) * 1000))
+
+    found, caller_rank, caller_nonce = HELLO.unpack(recv_exactly(sock, HELLO.size, left_ms()))
     if found != magic:
         raise AuthenticationError(f"not an rrpc hello for {where}")
     callee_nonce = auth.new_nonce()
     binding = auth.Binding(caller_rank, rank, where, caller_nonce, callee_nonce)
     proof = token.proof(auth.CALLEE, binding) if token else NO_PROOF
-    sock.settimeout(HANDSHAKE_TIMEOUT)
+    sock.settimeout(left_ms() / 1000)
     sock.sendall(ANSWER.pack(rank, callee_nonce, proof))
     sock.setblocking(False)
-    caller_proof = recv_exactly(sock, auth.PROOF_SIZE, deadline_ms)
+    caller_proof = recv_exactly(sock, auth.PROOF_SIZE, left_ms())
     if token is not None and not token.verify(auth.CALLER, binding, caller_proof):
         sock.setblocking(True)
         sock.sendall(REFUSED)

@@ -17,6 +17,7 @@ import json
 import os
 import pickle
 import shutil
+import socket
 import struct
 import threading
 import time
@@ -444,3 +445,26 @@ def test_a_caller_refuses_a_callee_that_answers_for_another_address():
     assert caller.proof is None
     with pytest.raises(AuthenticationError, match="ended the stream before it authenticated"):
         caller.check(None)
+
+
+def test_a_lane_or_bulk_callee_gives_a_caller_one_limit_for_the_whole_opening(monkeypatch):
+    # A caller that sends its hello late and then never proves itself holds
+    # the callee's thread for HANDSHAKE_TIMEOUT in all, not that much again
+    # after its hello.
+    from rrpc import lane_io
+
+    monkeypatch.setattr(lane_io, "HANDSHAKE_TIMEOUT", 1.0)
+    ours, theirs = socket.socketpair()
+    ours.setblocking(False)
+    hello = lane_io.HELLO.pack(b"testmagc", 1, auth.new_nonce())
+    late = threading.Timer(0.6, theirs.sendall, (hello,))  # a slow caller, not a sync
+    start = time.monotonic()
+    late.start()
+    try:
+        with pytest.raises(AuthenticationError, match="timed out"):
+            lane_io.open_as_callee(ours, b"testmagc", 0, "here", auth.Token(TOKEN))
+        assert time.monotonic() - start < 1.4
+    finally:
+        late.cancel()
+        ours.close()
+        theirs.close()
