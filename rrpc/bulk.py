@@ -9,16 +9,13 @@ receives into the new tensor's (``sendmsg``, ``recv_into``): the kernel's
 copies only. So a gRPC stream may have a *bulk socket* beside it, as
 TensorPipe's tensors travel on channels beside its transport:
 
-- Every worker listens on a TCP port of its gRPC host (``Listener``) and
-  advertises it. A stream's caller dials it (``dial``) the first time a frame
-  with ``BULK_MIN`` bytes of buffers or more goes either way on the stream
-  (that frame still travels in the stream): ``count`` sockets, the caller's
-  ``bulk_sockets`` (at most ``MAX_SOCKETS``). On each, both ends prove the
-  cluster token as a lane's do (``lane_io.open_as_caller``, bound to the
-  listening address), then the caller names its stream by the random key it
-  sent in the stream's metadata (``KEY_METADATA``) and the socket's index and
-  count, and the callee binds the socket to that stream. The channel is
-  bound once all ``count`` are. Never with TLS (the sockets are not
+- Every worker listens on a TCP port of its gRPC host and advertises it. A
+  stream's caller dials it the first time a frame with ``BULK_MIN`` bytes of
+  buffers or more goes either way on the stream (that frame still travels in
+  the stream): ``count`` sockets, the caller's ``bulk_sockets`` (at most
+  ``MAX_SOCKETS``), each proved with the cluster token and bound to its
+  stream on the other end (``bulk_open.py``: the port, the dial). The
+  channel is bound once all ``count`` are. Never with TLS (the sockets are not
   encrypted), nor when either end turned bulk sockets off (``bulk_channel``).
 - Once bound, a frame with ``BULK_MIN`` bytes of buffers or more, either
   way, travels in two parts: its envelope and payload in the stream, in the
@@ -65,7 +62,6 @@ from __future__ import annotations
 import collections
 import itertools
 import mmap
-import os
 import socket
 import struct
 import threading
@@ -76,29 +72,14 @@ from typing import Any
 
 import numpy as np
 
-from rrpc import auth, logs, wire
-from rrpc.lane_io import (
-    ACCEPTED,
-    HANDSHAKE_TIMEOUT,
-    IOV_MAX,
-    REFUSED,
-    advance,
-    open_as_callee,
-    open_as_caller,
-    recv_exactly,
-    shut,
-)
+from rrpc import logs, wire
+from rrpc.lane_io import HANDSHAKE_TIMEOUT, IOV_MAX, advance, shut
 from rrpc.messages import AuthenticationError, ProtocolError
 from rrpc.options import MAX_BULK_SOCKETS
 
 BULK_MIN = 1 << 20  # a frame whose stream buffers sum to this many bytes uses the bulk socket
 BACKLOG = 256 << 20  # bytes of transfers read and not yet claimed, at most (see the rules)
-MAGIC = b"rrpcblk2"
-KEY_METADATA = "rrpc-bulk-key"  # the stream's key, in hex, in its gRPC metadata
-KEY_SIZE = 16
 MAX_SOCKETS = MAX_BULK_SOCKETS  # bulk sockets of one stream, at most (``bulk_sockets``)
-_NAMING = struct.Struct("<BB")  # after the key: this socket's index, and the count
-FIND_WAIT = 5.0  # seconds a dialer's stream has to reach the callee (it dials at once)
 _TRANSFER = struct.Struct("<QI")  # a transfer: id, buffer count; each size; their bytes
 _SIZE = struct.Struct("<Q")
 _RECV_SLICE = 4 << 20  # bytes per recv_into, so that a claim sees progress
@@ -158,15 +139,6 @@ class Recycled:
 
 
 recycled = Recycled(RECYCLE_BYTES)  # every bulk socket's received buffers, in this process
-
-
-def new_key() -> bytes:
-    return os.urandom(KEY_SIZE)
-
-
-def where(host: str, port: int) -> str:
-    """A listener's address, as its proofs cover it."""
-    return f"bulk:{host}:{port}"
 
 
 def stripe(buffers: list[Any], index: int, count: int) -> list[memoryview]:
@@ -500,100 +472,4 @@ class Channel:
                 sock.close()
 
 
-class Listener:
-    """This worker's bulk port: proves each dialer, then binds its socket to
-    the stream it names (``find(key)``: the ``Channel`` of a stream this
-    worker serves, or None)."""
-
-    def __init__(
-        self,
-        host: str,
-        rank: int,
-        token: auth.Token | None,
-        find: Callable[[int, bytes], Channel | None],
-    ):
-        self._rank = rank
-        self._token = token
-        self._find = find
-        family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
-        self._sock = socket.socket(family, socket.SOCK_STREAM)
-        self._sock.bind((host.strip("[]"), 0))
-        self._sock.listen(128)
-        self.port: int = self._sock.getsockname()[1]
-        self.where = where(host, self.port)
-        self._stopped = False
-        self._thread = threading.Thread(
-            target=self._accept, name=f"rrpc-bulk-accept-{rank}", daemon=True
-        )
-        self._thread.start()
-
-    def _accept(self) -> None:
-        while not self._stopped:
-            try:
-                sock, _ = self._sock.accept()
-            except OSError:
-                return
-            threading.Thread(
-                target=self._open, args=(sock,), name=f"rrpc-bulk-open-{self._rank}", daemon=True
-            ).start()
-
-    def _open(self, sock: socket.socket) -> None:
-        sock.setblocking(False)
-        try:
-            caller = open_as_callee(sock, MAGIC, self._rank, self.where, self._token)
-            naming = recv_exactly(sock, KEY_SIZE + _NAMING.size, int(HANDSHAKE_TIMEOUT * 1000))
-            index, count = _NAMING.unpack_from(naming, KEY_SIZE)
-            channel = self._find(caller, bytes(naming[:KEY_SIZE]))
-            sock.setblocking(True)
-            if channel is None:
-                sock.sendall(REFUSED)
-                raise AuthenticationError(f"rank {caller} named no stream it has open here")
-            if not 0 <= index < count <= MAX_SOCKETS:
-                sock.sendall(REFUSED)
-                raise AuthenticationError(f"rank {caller} named socket {index} of {count}")
-            sock.sendall(ACCEPTED)
-        except (AuthenticationError, OSError, ConnectionError, struct.error) as exc:
-            logs.event("bulk-refused", "bulk", "%s: bulk socket refused: %s", self._rank, exc)
-            shut(sock)
-            sock.close()
-            return
-        if not channel.bind(sock, index, count):
-            shut(sock)
-            sock.close()
-
-    def stop(self) -> None:
-        self._stopped = True
-        shut(self._sock)
-        self._sock.close()
-
-
-def dial(
-    host: str,
-    port: int,
-    ranks: tuple[int, int],
-    token: auth.Token | None,
-    key: bytes,
-    index: int = 0,
-    count: int = 1,
-    timeout: float = HANDSHAKE_TIMEOUT,
-) -> socket.socket:
-    """Dial a peer's bulk port, prove each other the token, name the stream
-    (``key``) and which of its ``count`` sockets this is; the socket, bound
-    to it on the other end. Raises AuthenticationError or OSError."""
-    sock = socket.create_connection((host.strip("[]"), port), timeout=timeout)
-    try:
-        start = time.monotonic()
-        open_as_caller(sock, MAGIC, ranks, where(host, port), token, timeout)
-        sock.setblocking(True)
-        sock.settimeout(max(0.1, timeout - (time.monotonic() - start)))
-        sock.sendall(key + _NAMING.pack(index, count))
-        if sock.recv(1) != ACCEPTED:
-            raise AuthenticationError(f"rank {ranks[1]}'s bulk port refused the stream")
-        sock.settimeout(None)
-        return sock
-    except BaseException:
-        sock.close()
-        raise
-
-
-__all__ = ["BULK_MIN", "KEY_METADATA", "MAX_SOCKETS", "Channel", "Listener", "dial", "new_key"]
+__all__ = ["BULK_MIN", "MAX_SOCKETS", "Channel"]

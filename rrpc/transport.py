@@ -42,7 +42,7 @@ from typing import Any
 
 import grpc
 
-from rrpc import auth, bulk, logs, streams, turns, wire
+from rrpc import auth, bulk, bulk_open, logs, streams, turns, wire
 from rrpc.messages import AuthenticationError, PeerUnavailableError, mark_transport_thread
 from rrpc.scheduler import Handle, Scheduler
 from rrpc.streams import (
@@ -142,7 +142,7 @@ class Connection:
         self._bulk: bulk.Channel | None = None
         self._bulk_broke: BaseException | None = None
         if bulk_port:
-            key = bulk.new_key()
+            key = bulk_open.new_key()
             token = auth.Token(auth_token) if auth_token is not None else None
             host = address.rsplit(":", 1)[0]  # dial(index, count) names the socket
             self._bulk = bulk.Channel(
@@ -151,10 +151,10 @@ class Connection:
                 max_message_size,
                 peer_timeout,
                 on_broken=self._bulk_broken,
-                dial=functools.partial(bulk.dial, host, bulk_port, ranks, token, key),
+                dial=functools.partial(bulk_open.dial, host, bulk_port, ranks, token, key),
                 sockets=bulk_sockets,
             )
-            metadata = [*metadata, (bulk.KEY_METADATA, key.hex())]
+            metadata = [*metadata, (bulk_open.KEY_METADATA, key.hex())]
         self._outbox = Outbox(packet_size, batch_delay, batch_min_open, stream=self.stream)
         options = _options(peer_timeout, packet_size, server=False)
         if credentials is None:
@@ -365,9 +365,9 @@ class Server:
         # The bulk sockets' port, and the served streams they may bind to, by key.
         self._bulk_streams: dict[bytes, tuple[int, bulk.Channel]] = {}
         self._bulk_changed = threading.Condition()
-        self._bulk_listener: bulk.Listener | None = None
+        self._bulk_listener: bulk_open.Listener | None = None
         if bulk_channel and credentials is None:  # a bulk socket is not encrypted
-            self._bulk_listener = bulk.Listener(host, rank, self._token, self._bulk_stream)
+            self._bulk_listener = bulk_open.Listener(host, rank, self._token, self._bulk_stream)
         self.bulk_port = self._bulk_listener.port if self._bulk_listener is not None else 0
         self._server.start()
 
@@ -375,7 +375,7 @@ class Server:
         """The served stream of ``rank`` that ``key`` names. A caller may dial
         as soon as it opened the stream: wait a little for this end to see it."""
         with self._bulk_changed:
-            self._bulk_changed.wait_for(lambda: key in self._bulk_streams, bulk.FIND_WAIT)
+            self._bulk_changed.wait_for(lambda: key in self._bulk_streams, bulk_open.FIND_WAIT)
             found = self._bulk_streams.get(key)
         return found[1] if found is not None and found[0] == rank else None
 
@@ -490,14 +490,14 @@ class Server:
         outbox: Outbox,
     ) -> tuple[bulk.Channel | None, bytes]:
         """The bulk end of a stream whose caller may dial one (its key in the
-        metadata), registered for ``bulk.Listener`` to bind; (None, b"") if not."""
+        metadata), registered for ``bulk_open.Listener`` to bind; (None, b"") if not."""
         if self._bulk_listener is None:
             return None, b""
         try:
-            key = bytes.fromhex(metadata.get(bulk.KEY_METADATA, ""))
+            key = bytes.fromhex(metadata.get(bulk_open.KEY_METADATA, ""))
         except ValueError:
             return None, b""
-        if len(key) != bulk.KEY_SIZE or key in self._bulk_streams:
+        if len(key) != bulk_open.KEY_SIZE or key in self._bulk_streams:
             return None, b""
         channel = bulk.Channel(
             f"rank {peer_rank}",

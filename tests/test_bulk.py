@@ -14,6 +14,7 @@ import os
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +23,7 @@ import torch
 
 import rrpc
 from harness import mp_context, run_workers
-from rrpc import auth, bulk, streams, wire
+from rrpc import auth, bulk, bulk_open, streams, wire
 from rrpc._proto.rrpc_pb2 import Envelope, SharedBuffer
 from rrpc.agent import current_agent
 from rrpc.messages import AuthenticationError, ProtocolError
@@ -375,16 +376,49 @@ def test_the_frame_reader_takes_a_bulk_frames_buffers_from_its_claim():
 
 
 # -- The opening exchange ------------------------------------------------------------
-def _listener(token: auth.Token | None, streams: dict[bytes, bulk.Channel]) -> bulk.Listener:
-    return bulk.Listener("127.0.0.1", 1, token, lambda rank, key: streams.get(key))
+def _listener(token: auth.Token | None, streams: dict[bytes, bulk.Channel]) -> bulk_open.Listener:
+    return bulk_open.Listener("127.0.0.1", 1, token, lambda rank, key: streams.get(key))
+
+
+def test_dialers_past_the_ones_being_proved_are_closed_unheard_and_a_slot_frees_with_one(
+    monkeypatch,
+):
+    # The port is on the network: silent dialers hold a thread each for the
+    # handshake's limit, so only OPENING of them at once.
+    monkeypatch.setattr(bulk_open.Listener, "OPENING", 2)
+    key = bulk_open.new_key()
+    served = bulk.Channel("rank 0", "test-served-{}", 0, 8.0)
+    listener = _listener(auth.Token("s3cret"), {key: served})
+    silent = [socket.create_connection(("127.0.0.1", listener.port)) for _ in range(2)]
+    try:
+        extra = socket.create_connection(("127.0.0.1", listener.port))
+        extra.settimeout(30)
+        start = time.monotonic()
+        assert extra.recv(1) == b""  # closed, with no thread started for it ...
+        assert time.monotonic() - start < bulk_open.HANDSHAKE_TIMEOUT / 2  # ... at once
+        extra.close()
+        silent.pop().close()  # its handshake fails at once: its slot frees
+        deadline = time.monotonic() + 30
+        while True:  # the slot frees once that thread ends: retry until it did
+            try:
+                sock = bulk_open.dial("127.0.0.1", listener.port, (0, 1), auth.Token("s3cret"), key)
+                break
+            except (OSError, ConnectionError):
+                assert time.monotonic() < deadline
+        sock.close()
+    finally:
+        for sock in silent:
+            sock.close()
+        served.close()
+        listener.stop()
 
 
 def test_a_dialer_with_the_token_and_the_streams_key_is_bound(monkeypatch):
-    key = bulk.new_key()
+    key = bulk_open.new_key()
     served = bulk.Channel("rank 0", "test-served-{}", 0, 8.0)
     listener = _listener(auth.Token("s3cret"), {key: served})
     try:
-        sock = bulk.dial("127.0.0.1", listener.port, (0, 1), auth.Token("s3cret"), key)
+        sock = bulk_open.dial("127.0.0.1", listener.port, (0, 1), auth.Token("s3cret"), key)
         dialer = bulk.Channel("worker1", "test-dialer-{}", 0, 8.0)
         assert dialer.bind(sock)
         stream: list[list] = []
@@ -402,8 +436,8 @@ def test_a_dialer_with_the_token_and_the_streams_key_is_bound(monkeypatch):
     "case", ["wrong token", "no token", "unknown stream", "wrong rank", "socket past the count"]
 )
 def test_a_dialer_that_cannot_prove_itself_or_names_no_stream_is_refused(monkeypatch, case):
-    monkeypatch.setattr(bulk, "FIND_WAIT", 0.1)
-    key = bulk.new_key()
+    monkeypatch.setattr(bulk_open, "FIND_WAIT", 0.1)
+    key = bulk_open.new_key()
     served = bulk.Channel("rank 0", "test-served-{}", 0, 8.0)
     listener = _listener(auth.Token("s3cret"), {key: served})
     token, name, ranks, index = auth.Token("s3cret"), key, (0, 1), 0
@@ -412,14 +446,14 @@ def test_a_dialer_that_cannot_prove_itself_or_names_no_stream_is_refused(monkeyp
     elif case == "no token":
         token = None
     elif case == "unknown stream":
-        name = bulk.new_key()
+        name = bulk_open.new_key()
     elif case == "wrong rank":
         ranks = (0, 2)  # the listener is rank 1
     else:
         index = 2
     try:
         with pytest.raises((AuthenticationError, OSError)):
-            bulk.dial("127.0.0.1", listener.port, ranks, token, name, index, 2, timeout=5)
+            bulk_open.dial("127.0.0.1", listener.port, ranks, token, name, index, 2, timeout=5)
         assert not served.bound
     finally:
         served.close()
@@ -429,7 +463,7 @@ def test_a_dialer_that_cannot_prove_itself_or_names_no_stream_is_refused(monkeyp
 def test_sockets_bind_one_by_one_and_a_failed_second_dial_leaves_frames_whole():
     """Bound once every socket is; if a later dial fails, both ends carry
     every frame whole, and the stream is not ended."""
-    key = bulk.new_key()
+    key = bulk_open.new_key()
     served_broken: list[BaseException] = []
     served = bulk.Channel("rank 0", "test-served-{}", 0, 8.0, on_broken=served_broken.append)
     listener = _listener(None, {key: served})
@@ -437,7 +471,7 @@ def test_sockets_bind_one_by_one_and_a_failed_second_dial_leaves_frames_whole():
     def dial(index: int, count: int) -> socket.socket:
         if index == 1:
             raise ConnectionRefusedError("the second socket was refused")
-        return bulk.dial("127.0.0.1", listener.port, (0, 1), None, key, index, count)
+        return bulk_open.dial("127.0.0.1", listener.port, (0, 1), None, key, index, count)
 
     dialer = bulk.Channel("worker1", "test-dialer-{}", 0, 8.0, dial=dial, sockets=2)
     try:
