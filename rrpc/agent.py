@@ -75,14 +75,7 @@ from rrpc import (
     wire,
 )
 from rrpc.calls import Call, CallTable, Deadlines
-from rrpc.futures import (
-    Future,
-    SyncReply,
-    on_done,
-    outcome,
-    settle,
-    wait_until,
-)
+from rrpc.futures import Future, SyncReply, on_done, outcome, settle, wait_until
 from rrpc.messages import (
     AUTOGRAD_RELEASE,
     ERROR,
@@ -151,7 +144,7 @@ class AutogradHooks(Protocol):
     ) -> None: ...
 
     def tensor_hook(
-        self, context_id: int, peer: WorkerInfo, key: MessageKey
+        self, context_id: int, peer: WorkerInfo, key: MessageKey, enroll: bool = False
     ) -> Callable[[torch.Tensor], torch.Tensor]: ...
 
 
@@ -451,7 +444,9 @@ class Agent:
         key: MessageKey,
     ) -> wire.Outgoing:
         """One message (request or reply) for ``peer``, its tensors that require
-        grad shown to distributed autograd under ``key``."""
+        grad shown to distributed autograd under ``key``; a user function's
+        request in a context is shown to it without such tensors too (its
+        callee is a participant: ``messages.RECORDED_KINDS``)."""
         entry = self.peers.known(peer.id)
         out = codec.encode(
             kind,
@@ -464,8 +459,9 @@ class Agent:
             shm_threshold=self.options.shm_threshold,
             same_main=entry is not None and entry.same_main,
         )
-        if out.grad_tensors and context_id and self.autograd_hooks is not None:
-            self.autograd_hooks.on_send(context_id, peer, key, out.grad_tensors)
+        hooks = self.autograd_hooks if context_id else None
+        if hooks is not None and (out.grad_tensors or kind in messages.RECORDED_KINDS):
+            hooks.on_send(context_id, peer, key, out.grad_tensors)
         return out
 
     def on_reply(self, peer: WorkerInfo, frame: wire.Frame) -> bool:

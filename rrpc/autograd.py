@@ -4,7 +4,11 @@ Theory of operation
 
 - Forward. ``with context() as ctx_id:`` sets the thread's context id, which
   every RPC from the thread carries (the agent sets it on the callee while the
-  request runs, so nested calls and the reply carry it too). When a message in
+  request runs, so nested calls and the reply carry it too). A user function's
+  request in a context (a call, ``remote()``, ``to_here()``) makes each end the
+  other's participant whatever it holds, and the callee's context exists while
+  the function runs (as torch's forceGradRecording): it may run ``backward``
+  there, or call on, and the release must reach it. When a message in
   a context holds tensors that require grad, the agent tells us
   (``Hooks.on_send``): the sender records them under the message's key. The
   receiver gets each such tensor through ``Hooks.tensor_hook`` and hands the

@@ -7,8 +7,12 @@ Rules
 - A context is named by an id unique in the cluster: the creating worker's rank
   in the top 16 bits, a per-process counter below (as torch: ``rank << 48 | n``).
 - The creator makes its context in ``context()``; every other worker makes it
-  lazily, the first time a tensor that requires grad is sent or received in it.
-  A message without such tensors leaves no state anywhere.
+  lazily: the callee of a user function's request in it (``CALL``, ``remote()``,
+  ``to_here()``: ``messages.RECORDED_KINDS``) when the request arrives, as
+  torch, since the function runs in the context and may use it (a backward
+  there, a nested call); any worker, the first time a tensor that requires
+  grad is sent or received in it. Other messages without such tensors leave
+  no state anywhere.
 - A *send record* (``sends[key]``) is what the sender keeps of a message: the
   tensors that required grad, in pickling order. When the gradients of those
   tensors come back, the pass continues from them. It keeps that part of the
@@ -16,9 +20,11 @@ Rules
 - A *recv record* (``recvs[key]``) is what the receiver keeps: who sent the
   message. The recv nodes themselves live in the autograd graph; each knows its
   message key, the index of its tensor in the message and its peer.
-- ``participants`` are the workers this one exchanged such tensors with in the
-  context, in either direction. Releasing a context tells each of them, and each
-  tells its own: every worker that holds state for it is reached.
+- ``participants`` are the workers this one exchanged such tensors or such
+  requests with in the context, in either direction: the sender of a request
+  records its callee, the callee its caller, whatever the request holds.
+  Releasing a context tells each of them, and each tells its own: every worker
+  that holds state for it is reached.
 - Once released, a context id is remembered (a bounded list): a late message in
   it (an RPC left in flight when the ``with`` block ended) creates no state that
   nobody would release. Ids this worker created are never re-created.
@@ -60,6 +66,11 @@ class Context:
     def record_send(self, key: MessageKey, peer: WorkerInfo, tensors: list[torch.Tensor]) -> None:
         with self.lock:
             self.sends[key] = (peer, tensors)
+            self.participants[peer.id] = peer
+
+    def enroll(self, peer: WorkerInfo) -> None:
+        """``peer`` sent or was sent a user function's request in this context."""
+        with self.lock:
             self.participants[peer.id] = peer
 
     def record_recv(self, key: MessageKey, peer: WorkerInfo) -> None:
@@ -178,13 +189,27 @@ class Hooks:
     def on_send(
         self, context_id: int, peer: WorkerInfo, key: MessageKey, tensors: list[torch.Tensor]
     ) -> None:
+        """A message in the context to ``peer``, with ``tensors`` that require
+        grad, or none (a user function's request): the callee is a participant."""
         context = self.table.get_or_create(context_id)
-        if context is not None:
+        if context is None:
+            return
+        if tensors:
             context.record_send(key, peer, tensors)
+        else:
+            context.enroll(peer)
 
     def tensor_hook(
-        self, context_id: int, peer: WorkerInfo, key: MessageKey
+        self, context_id: int, peer: WorkerInfo, key: MessageKey, enroll: bool = False
     ) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The hook that makes each tensor of ``peer``'s message that requires
+        grad a recv node's output. With ``enroll`` (a user function's request),
+        the context is made here now and the caller recorded, whatever the
+        message holds: the function runs in the context."""
+        if enroll:
+            context = self.table.get_or_create(context_id)
+            if context is not None:
+                context.enroll(peer)
         index = 0
 
         def receive(tensor: torch.Tensor) -> torch.Tensor:

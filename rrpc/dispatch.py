@@ -84,7 +84,8 @@ class Dispatcher:
             hook = None
             if context_id and self._agent.autograd_hooks is not None:
                 key = (peer.id, envelope.request_id, False)
-                hook = self._agent.autograd_hooks.tensor_hook(context_id, peer, key)
+                enroll = envelope.kind in messages.RECORDED_KINDS  # its function runs in it
+                hook = self._agent.autograd_hooks.tensor_hook(context_id, peer, key, enroll)
             request, waits = codec.loads_waiting(frame, peer, hook, self._agent.unpickle)
         except BaseException as exc:
             row = self._agent.metrics.served(peer.name, envelope.kind, None, size, tensor_bytes)

@@ -47,6 +47,13 @@ KIND_NAMES = {
 }
 
 
+# Requests that run a user's function, and to_here(): in an autograd context
+# torch records each end as the other's participant even when no tensor that
+# requires grad travels (its forceGradRecording): the function may use the
+# context (a backward, a nested call), and the reply may bring such tensors.
+RECORDED_KINDS = frozenset({CALL, RREF_CREATE, RREF_FETCH, CALL | PROFILED, RREF_CREATE | PROFILED})
+
+
 def kind_name(kind: int) -> str:
     if kind & PROFILED and kind != PROFILED:
         return f"{kind_name(kind & ~PROFILED)} (profiled)"

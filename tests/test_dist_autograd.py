@@ -404,18 +404,86 @@ def test_in_place_op_on_a_received_tensor_is_differentiated(cluster, no_state_le
     assert_close(distributed, local)
 
 
-def _no_state_without_grad():
+def _calls_without_tensors_requiring_grad():
     with rrpc.autograd.context():
         rrpc.rpc_sync("worker1", torch.add, args=(torch.ones(2), torch.ones(2)))
         rrpc.rpc_sync("worker2", rrpc.rpc_sync, args=("worker1", torch.neg, (torch.ones(2),)))
         return [rrpc.rpc_sync(f"worker{rank}", rrpc.autograd._debug_info) for rank in range(3)]
 
 
-def test_messages_without_tensors_requiring_grad_leave_no_state(cluster, no_state_left_behind):
-    infos = cluster.run(_no_state_without_grad)
-    assert infos[0]["contexts"] == 1  # the caller's own context
-    assert infos[0]["send_records"] == infos[0]["recv_records"] == 0
-    assert infos[1] == infos[2] == EMPTY
+@pytest.mark.timeout(60)
+def test_calls_without_tensors_requiring_grad_enrol_their_callees_until_the_block_ends(
+    cluster, no_state_left_behind
+):
+    # As torch (its forceGradRecording): a function called in a context runs in
+    # it, so its worker has the context, and the release reaches it (the fixture).
+    infos = cluster.run(_calls_without_tensors_requiring_grad)
+    assert [info["contexts"] for info in infos] == [1, 1, 1]
+    assert all(info["send_records"] == info["recv_records"] == 0 for info in infos)
+
+
+def _sends_on_and_returns_a_float():
+    w = torch.ones(3, requires_grad=True)
+    return float(rrpc.rpc_sync("worker2", torch.neg, args=(w,)).sum())
+
+
+def _nested_call_with_grad_under_a_call_without():
+    with rrpc.autograd.context():
+        return rrpc.rpc_sync("worker1", _sends_on_and_returns_a_float)
+
+
+@pytest.mark.timeout(60)
+def test_state_a_callee_makes_in_a_nested_call_is_released(cluster, no_state_left_behind):
+    # worker0 sends worker1 nothing that requires grad; worker1's own call to
+    # worker2 does. The release must reach both (the fixture checks).
+    assert cluster.run(_nested_call_with_grad_under_a_call_without) == -3.0
+
+
+def _backward_here(context_id):
+    w = torch.ones(3, requires_grad=True)
+    rrpc.autograd.backward(context_id, [(w * 2).sum()])
+    return rrpc.autograd.get_gradients(context_id)[w]
+
+
+def _backward_on_the_callee():
+    with rrpc.autograd.context() as context_id:
+        return rrpc.rpc_sync("worker1", _backward_here, args=(context_id,))
+
+
+@pytest.mark.timeout(60)
+def test_a_callee_runs_backward_in_the_callers_context(cluster, no_state_left_behind):
+    assert torch.equal(cluster.run(_backward_on_the_callee), torch.full((3,), 2.0))
+
+
+_GO = threading.Event()  # on a callee: what a test's function waits for
+
+
+def _go():
+    _GO.set()
+
+
+def _when_told(then, *args):
+    assert _GO.wait(30), "never told to go on"
+    _GO.clear()
+    return then(*args)
+
+
+def _ones_requiring_grad():
+    return torch.ones(3, requires_grad=True)
+
+
+def _late_reply_with_a_tensor_requiring_grad():
+    with rrpc.autograd.context():
+        future = rrpc.rpc_async("worker1", _when_told, args=(_ones_requiring_grad,))
+    # The block's release has reached worker1 (its callee) before the reply leaves.
+    assert rrpc.autograd._wait_releases(timeout=10)
+    rrpc.rpc_sync("worker1", _go)
+    return future.wait()
+
+
+@pytest.mark.timeout(60)
+def test_a_reply_sent_after_the_block_ended_leaves_no_state(cluster, no_state_left_behind):
+    cluster.run(_late_reply_with_a_tensor_requiring_grad)
 
 
 def _state_while_in_context_then_released():
@@ -899,6 +967,19 @@ def test_a_message_without_tensors_requiring_grad_creates_no_context():
     hooks = Hooks(table, rrpc.autograd._receive)
     hooks.tensor_hook((1 << 48) + 1, WorkerInfo("worker1", 1), (1, 1, False))  # never called
     assert table.find((1 << 48) + 1) is None
+
+
+def test_a_user_functions_request_enrols_each_end_without_tensors_requiring_grad():
+    caller, callee = ContextTable(rank=0), ContextTable(rank=1)
+    context = caller.create()
+    me, them, key = WorkerInfo("worker0", 0), WorkerInfo("worker1", 1), (0, 1, False)
+    Hooks(caller, rrpc.autograd._receive).on_send(context.context_id, them, key, [])
+    Hooks(callee, rrpc.autograd._receive).tensor_hook(context.context_id, me, key, enroll=True)
+    assert context.participants == {1: them} and not context.sends
+    assert callee.get(context.context_id).participants == {0: me}
+    callee.release(context.context_id)
+    Hooks(callee, rrpc.autograd._receive).tensor_hook(context.context_id, me, key, enroll=True)
+    assert callee.find(context.context_id) is None  # a late request: no state
 
 
 class _ReleaseAgent:
