@@ -99,9 +99,8 @@ from rrpc.scheduler import Scheduler
 from rrpc.streams import CLOSED
 
 log = logging.getLogger("rrpc")
-# Sends again of a protocol message that never left (``send_reliably``):
-# torch's agent makes 5, 1 s apart and 1.5x longer each time; these take
-# 3.1 s in all.
+# Sends again of a protocol message that never left (``send_reliably``): torch's
+# agent makes 5, 1 s apart and 1.5x longer each time; these take 3.1 s in all.
 RESENDS = 5
 RESEND_DELAY = 0.1
 # Seconds the run's threads get to end when ``stop`` has no time left (a
@@ -139,6 +138,8 @@ SendLayer = Callable[[Send], Send]
 
 
 class AutogradHooks(Protocol):
+    def check(self, context_id: int) -> None: ...
+
     def on_send(
         self, context_id: int, peer: WorkerInfo, key: MessageKey, tensors: list[torch.Tensor]
     ) -> None: ...
@@ -443,10 +444,14 @@ class Agent:
         context_id: int,
         key: MessageKey,
     ) -> wire.Outgoing:
-        """One message (request or reply) for ``peer``, its tensors that require
-        grad shown to distributed autograd under ``key``; a user function's
-        request in a context is shown to it without such tensors too (its
-        callee is a participant: ``messages.RECORDED_KINDS``)."""
+        """One message (request or reply) for ``peer``, shown to distributed
+        autograd under ``key`` if it holds tensors that require grad or is a
+        user function's request (``messages.RECORDED_KINDS``); either raises,
+        before framing, in a context released here (``AutogradHooks.check``)."""
+        hooks = self.autograd_hooks if context_id else None
+        recorded = hooks is not None and kind in messages.RECORDED_KINDS
+        if recorded and hooks is not None:  # before pickling: nothing to undo
+            hooks.check(context_id)
         entry = self.peers.known(peer.id)
         out = codec.encode(
             kind,
@@ -458,9 +463,9 @@ class Agent:
             shared_memory=entry.placer if entry is not None else None,
             shm_threshold=self.options.shm_threshold,
             same_main=entry is not None and entry.same_main,
+            check_context=None if recorded or hooks is None else hooks.check,
         )
-        hooks = self.autograd_hooks if context_id else None
-        if hooks is not None and (out.grad_tensors or kind in messages.RECORDED_KINDS):
+        if hooks is not None and (recorded or out.grad_tensors):
             hooks.on_send(context_id, peer, key, out.grad_tensors)
         return out
 

@@ -55,7 +55,10 @@ Theory of operation
   AUTOGRAD_RELEASE to every participant, which drops it and forwards the
   release to its own participants. It does not wait for the answers (as in
   torch); ``_wait_releases()`` does, for tests. Releases are gathered into
-  one message per participant: ``rrpc/autograd_release.py``.
+  one message per participant: ``rrpc/autograd_release.py``. A function
+  still running when its context's release came cannot call on, or reply
+  with tensors that require grad, in it: that raises, as in torch, since the
+  state it would make on the receiver is out of every release's reach.
 - One run's state (the context table, the releases under way) lives in the
   ``Autograd`` service that ``init_rpc`` builds (``rrpc/worker.py``); the
   functions above find it through the current agent.

@@ -27,7 +27,11 @@ Rules
   that holds state for it is reached.
 - Once released, a context id is remembered (a bounded list): a late message in
   it (an RPC left in flight when the ``with`` block ended) creates no state that
-  nobody would release. Ids this worker created are never re-created.
+  nobody would release. Ids this worker created are never re-created. Sending
+  in a released context what would be recorded (a user function's request,
+  tensors that require grad: a function still running when the release came)
+  raises, as torch: the message would make state on its receiver that no
+  release reaches (``Hooks.check``).
 - Gradients of leaves accumulate here (``gradients``), never in ``.grad``;
   DDP's average of one replaces it (``replace``).
 
@@ -48,6 +52,8 @@ import torch
 from rrpc.messages import MessageKey, WorkerInfo
 
 CONTEXT_ID_BITS = 48
+# torch's error for a message sent in a context this worker no longer has.
+RELEASED = "Couldn't find autograd context data for current autograd context id"
 REMEMBERED_RELEASES = 65536  # released ids remembered, to drop late messages
 
 
@@ -151,6 +157,14 @@ class ContextTable:
                 context = self._contexts[context_id] = Context(context_id)
             return context
 
+    def released(self, context_id: int) -> bool:
+        """Whether ``context_id`` ended here: neither alive nor to be made."""
+        if context_id in self._contexts:
+            return False
+        with self._lock:
+            mine = context_id >> CONTEXT_ID_BITS == self.rank
+            return context_id not in self._contexts and (mine or context_id in self._released)
+
     def release(self, context_id: int) -> Context | None:
         """Forget a context; return it (for its participants), or None if unknown."""
         with self._lock:
@@ -186,13 +200,21 @@ class Hooks:
         self.table = table
         self._receive = receive
 
+    def check(self, context_id: int) -> None:
+        """Raise torch's error if ``context_id`` ended here. Before a message
+        that would be recorded is framed (a user function's request, tensors
+        that require grad): its receiver would make state that no release
+        reaches (a function that called on after its context was released)."""
+        if self.table.released(context_id):
+            raise RuntimeError(RELEASED)
+
     def on_send(
         self, context_id: int, peer: WorkerInfo, key: MessageKey, tensors: list[torch.Tensor]
     ) -> None:
         """A message in the context to ``peer``, with ``tensors`` that require
         grad, or none (a user function's request): the callee is a participant."""
         context = self.table.get_or_create(context_id)
-        if context is None:
+        if context is None:  # released since ``check`` passed: nobody will ask for it
             return
         if tensors:
             context.record_send(key, peer, tensors)

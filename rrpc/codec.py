@@ -290,13 +290,18 @@ def encode(
     shared_memory: Placer | None = None,
     shm_threshold: int = 256 << 10,
     same_main: bool = False,
+    check_context: Callable[[int], None] | None = None,
 ) -> Outgoing:
     """Encode one message into frame pieces. Raises SerializationError or
     MessageTooLargeError without side effects on the stream.
 
     With ``shared_memory``, buffers of ``shm_threshold`` bytes or more are
     copied into its slots and only their descriptors travel in the frame.
-    ``same_main``: the peer runs this worker's ``__main__`` script (see ``dumps``)."""
+    ``same_main``: the peer runs this worker's ``__main__`` script (see ``dumps``).
+    ``check_context``: called with ``autograd_context_id`` once pickling found
+    tensors that require grad; what it raises refuses the message as a refusal
+    for size does, its pickling undone (distributed autograd: a context that
+    ended on this worker)."""
     undo: list[Callable[[], None]] = []
     previous_undo, _state.undo = _state.undo, undo
     try:
@@ -304,6 +309,8 @@ def encode(
     finally:
         _state.undo = previous_undo
     try:
+        if check_context is not None and pickled[2]:
+            check_context(autograd_context_id)
         return _framed(
             kind,
             request_id,

@@ -23,7 +23,7 @@ import torch
 import rrpc
 from harness import Cluster, free_port, mp_context, run_workers
 from rrpc import autograd_release, tensors
-from rrpc.autograd_context import ContextTable, Hooks
+from rrpc.autograd_context import RELEASED, ContextTable, Hooks
 from rrpc.autograd_release import Releases
 from rrpc.messages import AUTOGRAD_BACKWARD, WorkerInfo
 
@@ -462,28 +462,48 @@ def _go():
     _GO.set()
 
 
-def _when_told(then, *args):
+def _when_told(then):
     assert _GO.wait(30), "never told to go on"
     _GO.clear()
-    return then(*args)
+    return then()
 
 
 def _ones_requiring_grad():
     return torch.ones(3, requires_grad=True)
 
 
-def _late_reply_with_a_tensor_requiring_grad():
+def _sent_after_the_block_ended(then):
+    """What waiting for a call to worker1 raised, whose function ran ``then``
+    only once the block's release had reached worker1 (its callee)."""
     with rrpc.autograd.context():
-        future = rrpc.rpc_async("worker1", _when_told, args=(_ones_requiring_grad,))
-    # The block's release has reached worker1 (its callee) before the reply leaves.
+        future = rrpc.rpc_async("worker1", _when_told, args=(then,))
     assert rrpc.autograd._wait_releases(timeout=10)
     rrpc.rpc_sync("worker1", _go)
-    return future.wait()
+    try:
+        future.wait()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
 
 
 @pytest.mark.timeout(60)
-def test_a_reply_sent_after_the_block_ended_leaves_no_state(cluster, no_state_left_behind):
-    cluster.run(_late_reply_with_a_tensor_requiring_grad)
+def test_a_reply_requiring_grad_sent_after_the_block_ended_raises_and_leaves_no_state(
+    cluster, no_state_left_behind
+):
+    # As torch: the callee cannot send in a context it no longer has.
+    error = cluster.run(_sent_after_the_block_ended, _ones_requiring_grad)
+    assert error is not None and RELEASED in error
+
+
+@pytest.mark.timeout(60)
+def test_a_call_made_after_the_block_ended_raises_and_leaves_no_state(
+    cluster, no_state_left_behind
+):
+    # worker1's function calls worker2 in a context released meanwhile: as in
+    # torch that call raises (on worker1, so worker0's wait does), and worker2
+    # makes no state that nobody would release (the fixture checks).
+    error = cluster.run(_sent_after_the_block_ended, _sends_on_and_returns_a_float)
+    assert error is not None and RELEASED in error
 
 
 def _state_while_in_context_then_released():
@@ -980,6 +1000,19 @@ def test_a_user_functions_request_enrols_each_end_without_tensors_requiring_grad
     callee.release(context.context_id)
     Hooks(callee, rrpc.autograd._receive).tensor_hook(context.context_id, me, key, enroll=True)
     assert callee.find(context.context_id) is None  # a late request: no state
+
+
+def test_sending_in_a_context_that_ended_here_raises_as_torch():
+    table = ContextTable(rank=0)
+    hooks = Hooks(table, rrpc.autograd._receive)
+    mine, theirs = table.create().context_id, (1 << 48) + 4
+    hooks.check(mine)
+    hooks.check(theirs)  # not made here yet: a first message makes it
+    table.get_or_create(theirs)
+    for context_id in (mine, theirs):
+        table.release(context_id)
+        with pytest.raises(RuntimeError, match=f"^{RELEASED}$"):
+            hooks.check(context_id)
 
 
 class _ReleaseAgent:
