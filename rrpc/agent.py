@@ -103,16 +103,15 @@ log = logging.getLogger("rrpc")
 # agent makes 5, 1 s apart and 1.5x longer each time; these take 3.1 s in all.
 RESENDS = 5
 RESEND_DELAY = 0.1
-# Seconds the run's threads get to end when ``stop`` has no time left (a
-# shutdown past its deadline): an idle thread ends in microseconds, and one
-# still running a request is left to end by itself.
+# Seconds the run's threads get to end when ``stop`` has no time left (a shutdown
+# past its deadline): an idle one ends in µs; one running a request is left to end.
 STOP_GRACE = 0.25
 # Requests whose replies only rrpc's bookkeeping awaits: on a lane, read by
 # the next caller that leads, or soon after (``lane.Lane.read_soon``).
 READ_SOON_KINDS = frozenset(
     {RREF_CREATE, RREF_FORK, RREF_ACCEPT, RREF_DELETE, RREF_CREATE_FAILED, AUTOGRAD_RELEASE}
 )
-# The liveness probe (``all_unreachable``) calls ``int()`` on peers, restricted or not.
+# A liveness probe (``Agent.probe``) calls ``int()`` on peers, restricted or not.
 restricted.allow_call(int)
 
 
@@ -131,9 +130,8 @@ class Send(Protocol):
     ) -> Any: ...
 
 
-# A send layer (``Agent.add_send_layer``), as a WSGI middleware: ``layer(send)``
-# returns the function to call instead of ``send`` (the rest of the path), which
-# hands each request on to ``send``, changed or as it is.
+# A send layer (``Agent.add_send_layer``), as a WSGI middleware: ``layer(send)`` is
+# what to call instead of ``send``, which hands each request on, changed or as it is.
 SendLayer = Callable[[Send], Send]
 
 
@@ -172,8 +170,7 @@ class Agent:
         self.suspects: set[int] = set()
         self._ids = itertools.count(1)
         self._stopped = False
-        # In the shutdown barrier: a carrier that breaks now is most likely a
-        # peer that passed it first and stopped, not a peer lost (not logged).
+        # In the shutdown barrier: a carrier breaking is a peer that stopped first (not logged).
         self.leaving = False
         # Set once init_rpc has learned every peer: requests wait for it.
         self.ready = threading.Event()
@@ -199,9 +196,8 @@ class Agent:
         # outermost first; ``send`` is them wrapped around ``_send``.
         self.send_layers: list[SendLayer] = []
         self.send: Send = self._send
-        # This run's services, built, started and stopped by init_rpc and
-        # shutdown (``rrpc/worker.py``); None before. Each lives in a layer above
-        # this one, whose public functions find it here (``current_agent()``).
+        # This run's services, built, started and stopped by init_rpc and shutdown
+        # (``worker.py``); None before. Their layers' functions find them here.
         self.rrefs: Any = None  # the RRef protocol's driver (rref_service.RRefService)
         self.autograd: Any = None  # distributed autograd's contexts (autograd.Autograd)
         self.profiling: Any = None  # RPCs in torch's profilers (profiling.Profiling)
@@ -261,8 +257,7 @@ class Agent:
         stream: only in that peer's own pool (see shm's rules)."""
         peer = self.peers.get(rank)  # looked up if it joined after this one
         if peer is None and not self.ready.is_set():
-            # A peer that finished init_rpc first may send before this worker
-            # has added it (as ``dispatch.on_request`` waits for the run's functions).
+            # A peer that finished init_rpc first may send before it was added here.
             self.ready.wait(self.options.init_timeout)
             peer = self.peers.get(rank)
         if peer is None or peer.source is None:
@@ -304,10 +299,7 @@ class Agent:
             if found is None:
                 continue
             try:
-                peer = found.info
-                probes.append(
-                    self.send(peer, messages.CALL, (int, (), {}), timeout, "liveness probe")
-                )
+                probes.append(self.probe(found.info, timeout, "liveness probe"))
             except RpcError:
                 continue
         for probe in probes:
@@ -335,6 +327,14 @@ class Agent:
     def queue_depth(self) -> int:
         """Requests waiting for a worker thread."""
         return self.pool.queued()
+
+    def probe(self, peer: WorkerInfo, timeout: float, what: str) -> Any:
+        """A no-op call to ``peer``, outside the thread's autograd context."""
+        previous, thread_state.autograd_context_id = thread_state.autograd_context_id, 0
+        try:
+            return self.send(peer, messages.CALL, (int, (), {}), timeout, what)
+        finally:
+            thread_state.autograd_context_id = previous
 
     # -- Sending ---------------------------------------------------------------
     def add_send_layer(self, layer: SendLayer) -> None:

@@ -77,7 +77,6 @@ from rrpc.agent import Agent
 from rrpc.dispatch import Deferred
 from rrpc.futures import on_done, outcome
 from rrpc.messages import (
-    CALL,
     RREF_ACCEPT,
     RREF_CREATE_FAILED,
     RREF_DELETE,
@@ -249,7 +248,7 @@ class RRefService:
             try:
                 peer = self.agent.worker_info(rank)
                 what = "liveness probe of a pending RRef child's receiver"
-                probe = self.agent.send(peer, CALL, (int, (), {}), _PROBE_TIMEOUT, what)
+                probe = self.agent.probe(peer, _PROBE_TIMEOUT, what)
             except PeerUnavailableError as exc:  # it left the group
                 self._children_lost(rank, exc)
                 continue
