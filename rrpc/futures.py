@@ -464,7 +464,7 @@ def collect_all(futures: list[torch.futures.Future]) -> torch.futures.Future:
         return _torch_collect_all(futures)
     combined = Future()
     lock = threading.Lock()
-    remaining, first_error = [len(futures)], [None]
+    remaining, first_error = [len(futures)], list[BaseException | None]([None])
 
     def done(future: torch.futures.Future) -> None:
         error = outcome(future)[1]

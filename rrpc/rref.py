@@ -532,19 +532,20 @@ def remote(
     payload_args, payload_kwargs = tuple(args or ()), dict(kwargs or {})
     what = messages.Description((naming, "remote() of {}", func))
     if peer.id == ctx.rank:
-        # As torch: a CREATE to this worker itself (arguments copied, the function
-        # run on the worker pool as a request is) whose handler sets the value to
-        # the very object returned (``here``). Its outcome is _get_future()'s.
-        rref = RRef._make(ctx, ctx.new_id(), None, peer, torch.futures.Future())
-        ctx.here[rref._id] = rref._future
+        # As torch: a CREATE to this worker itself (arguments copied, run on the pool)
+        # sets the value to the very object returned (``here``); _get_future()'s outcome.
+        value: torch.futures.Future = torch.futures.Future()
+        rref = RRef._make(ctx, ctx.new_id(), None, peer, value)
+        ctx.here[rref._id] = value
         request: tuple = (rref._id, None, func, payload_args, payload_kwargs)
         try:
-            rref._creation = agent.send(peer, RREF_CREATE, request, timeout, what, mode="remote")
+            creation = agent.send(peer, RREF_CREATE, request, timeout, what, mode="remote")
         except BaseException:
             del ctx.here[rref._id]
             raise
+        rref._creation = creation
         timed_out = rref._creation_timeout()
-        on_done(rref._creation, functools.partial(complete_created, ctx.here, rref._id, timed_out))
+        on_done(creation, functools.partial(complete_created, ctx.here, rref._id, timed_out))
         return rref
     rref_id, fork_id = ctx.new_id(), ctx.new_id()
     ctx.created(rref_id, fork_id, peer.id)
