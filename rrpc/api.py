@@ -99,11 +99,11 @@ def init_rpc(
             agent = Agent(name, rank, advertise_host(store_host, options.advertise_host), options)
             if world_size is None:
                 group = membership.Group(rendezvous, rank)
-                agent.incarnation = group.next_incarnation(options.init_timeout)
+                agent.incarnation = group.next_incarnation()
             # Every handler is in place before any peer can learn our address.
             worker.start_services(agent)
             if group is not None:
-                group.join(agent, options.init_timeout)
+                group.join(agent)  # by the rendezvous's deadline: init_timeout
                 agent.peers.lookup = group.lookup
             else:
                 for info, address, advertised in rendezvous.exchange(

@@ -33,7 +33,11 @@ Rules:
 Theory of operation. Join (``init_rpc`` without a world size): count an
 incarnation of the rank; claim the name, then the rank; append ``joined``;
 apply the log up to that event (the joiner's first view, itself included);
-then, once the agent serves requests, notify every member. Leave (graceful
+then, once the agent serves requests, notify every member. Every step of a
+join shares ``init_rpc``'s deadline (``Rendezvous.request_in_time``: each
+store request gets what the earlier ones left, a probe of a claim's holder
+too), so a store that slows down or stops answering ends the join by
+``init_timeout``, with an error naming the step. Leave (graceful
 ``shutdown``): let go of every user RRef held here and wait until the owners
 have the DELETEs and every call this worker made is answered; append ``left``;
 free the claims; notify every member and wait for the answers; stop. A worker
@@ -59,7 +63,7 @@ from rrpc import agent as agent_module
 from rrpc import functions
 from rrpc.agent import Agent, current_agent
 from rrpc.messages import CALL, RpcError, WorkerInfo
-from rrpc.rendezvous import REQUEST_LIMIT, Rendezvous, StoreUnreachableError
+from rrpc.rendezvous import DEADLINE_LOOK, REQUEST_LIMIT, Rendezvous, StoreUnreachableError
 
 log = logging.getLogger("rrpc")
 
@@ -167,20 +171,26 @@ class Group:
         self._joined_at = 0  # the index of our "joined" event
 
     # -- Store requests ------------------------------------------------------
-    def _request(self, what: str, operation: Callable[[], Any], limit: float) -> Any:
+    def _request(self, what: str, operation: Callable[[], Any], limit: float | None) -> Any:
+        """A store request within ``limit`` seconds; None: a step of the join,
+        within what is left of ``init_rpc``'s deadline (see the module doc)."""
+        if limit is None:
+            return self.rendezvous.request_in_time(f"joining, {what}", operation)
         return self.rendezvous.request(what, operation, limit)
 
-    def next_incarnation(self, limit: float) -> int:
+    def next_incarnation(self) -> int:
         """How many times this rank joined before (0 the first time); counts this join."""
         store, key = self.rendezvous.store, f"{self.prefix}incarnation/{self.rank}"
-        return self._request("joining", lambda: store.add(key, 1), limit) - 1
+        what = f"counting rank {self.rank}'s incarnations"
+        return self._request(what, lambda: store.add(key, 1), None) - 1
 
     # -- Joining -------------------------------------------------------------
-    def join(self, agent: Agent, limit: float) -> None:
-        """Claim name and rank, append ``joined``, learn the group (see the module doc)."""
+    def join(self, agent: Agent) -> None:
+        """Claim name and rank, append ``joined``, learn the group (see the
+        module doc), by ``init_rpc``'s deadline."""
         self.agent = agent
         name = agent.info.name
-        self.rendezvous.mark_mode()
+        self._request("saying the group is dynamic", self.rendezvous.mark_mode, None)
         record = {
             "kind": "joined",
             "name": name,
@@ -191,30 +201,33 @@ class Group:
         }
         self.record, mine = record, json.dumps(record)
         try:
-            self._claim(f"{self.prefix}name/{name}", mine, limit, f"worker name {name!r}")
-            self._claim(f"{self.prefix}rank/{self.rank}", mine, limit, f"rank {self.rank}")
-            self._joined_at = self._append(mine, limit)
-            self.catch_up(self._joined_at, limit=limit)
+            self._claim(f"{self.prefix}name/{name}", mine, f"worker name {name!r}")
+            self._claim(f"{self.prefix}rank/{self.rank}", mine, f"rank {self.rank}")
+            self._joined_at = self._append(mine, None)
+            self.catch_up(self._joined_at, limit=None)
         except BaseException:
-            self._release(limit)
+            # Within the time left: a claim not freed is taken over by the next
+            # worker of that name or rank, whose probe finds our address dead
+            # at once (the agent stops now).
+            self._release(self.rendezvous.time_left())
             raise
         agent.group = self
 
-    def _claim(self, key: str, mine: str, limit: float, what: str) -> None:
+    def _claim(self, key: str, mine: str, what: str) -> None:
         store = self.rendezvous.store
         for _ in range(10):
             current = self._request(
-                "joining", lambda: _text(store.compare_set(key, "", mine)), limit
+                f"claiming {what}", lambda: _text(store.compare_set(key, "", mine)), None
             )
             if current != mine:
                 holder = json.loads(current)
-                if _answers(holder["address"]):
+                if self._holder_answers(holder, what):
                     raise RpcError(
                         f"{what} is not unique: worker {holder['name']!r} (rank "
                         f"{holder['rank']}) holds it and still runs at {holder['address']}"
                     )
                 # Its holder died without leaving: this join is a rejoin; take it over.
-                current = self._request("joining", _swap(store, key, current, mine), limit)
+                current = self._request(f"claiming {what}", _swap(store, key, current, mine), None)
                 if current != mine:
                     continue  # someone else changed it meanwhile: look again
                 log.info(
@@ -229,21 +242,42 @@ class Group:
             return
         raise RpcError(f"could not claim {what}: it kept changing hands")
 
+    def _holder_answers(self, holder: dict, what: str) -> bool:
+        """Whether the holder of a claim still runs (it accepts connections),
+        probed within what is left of the join's deadline. A probe cut short
+        by the deadline proves nothing: a live holder may be slow to accept,
+        and taking its name over would give one name two workers."""
+        left = self.rendezvous.time_left()
+        probe = min(PROBE_TIMEOUT, left)
+        try:
+            if probe <= 0:
+                raise TimeoutError
+            return _answers(holder["address"], probe)
+        except TimeoutError:
+            if probe >= PROBE_TIMEOUT:
+                return False  # a whole probe without an answer: it no longer runs
+            raise self.rendezvous.timed_out(
+                f"while probing whether {holder['name']!r}, which holds {what}, still runs "
+                f"at {holder['address']}"
+            ) from None
+
     def _release(self, limit: float) -> None:
-        """Free our claims (those still ours: a successor's stay)."""
+        """Free our claims (those still ours: a successor's stay), in one
+        request of at most ``limit`` seconds."""
         store, mine = self.rendezvous.store, json.dumps(self.record)
         claimed, self._claimed = self._claimed, []
-        for key in claimed:
 
-            def free(key: str = key) -> None:
+        def free() -> None:
+            for key in claimed:
                 store.compare_set(key, mine, "")
 
+        if claimed and limit > 0:
             try:
                 self._request("leaving", free, limit)
             except Exception:
                 pass  # unreachable: logged; a successor takes it over after a probe
 
-    def _append(self, text: str, limit: float) -> int:
+    def _append(self, text: str, limit: float | None) -> int:
         store, prefix = self.rendezvous.store, self.prefix
 
         def append() -> int:
@@ -254,13 +288,19 @@ class Group:
         return self._request("writing to the group's log", append, limit)
 
     def announce(self) -> None:
-        """Tell every member that this worker joined (after it serves requests)."""
+        """Tell every member that this worker joined (after it serves requests),
+        waiting for their answers within what is left of ``init_rpc``'s
+        deadline (a last look at least): one that misses it learns from the log."""
         assert self.record is not None
-        self._notify(self._joined_at, json.dumps(self.record), NOTICE_TIMEOUT, 0.0)
+        timeout = min(NOTICE_TIMEOUT, max(DEADLINE_LOOK, self.rendezvous.time_left()))
+        self._notify(self._joined_at, json.dumps(self.record), timeout, 0.0)
 
     # -- Applying the log ----------------------------------------------------
     def catch_up(
-        self, index: int | None = None, given: str | None = None, limit: float = REQUEST_LIMIT
+        self,
+        index: int | None = None,
+        given: str | None = None,
+        limit: float | None = REQUEST_LIMIT,
     ) -> None:
         """Apply the log up to event ``index`` (None: its end); ``given`` is
         event ``index`` itself, when a notice brought it."""
@@ -428,12 +468,15 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def _answers(address: str) -> bool:
-    """Whether something accepts TCP connections at ``address`` (host:port)."""
+def _answers(address: str, timeout: float) -> bool:
+    """Whether something accepts TCP connections at ``address`` (host:port);
+    ``TimeoutError`` if it neither accepts nor refuses within ``timeout`` seconds."""
     host, _, port = address.rpartition(":")
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_TIMEOUT):
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
             return True
+    except TimeoutError:
+        raise
     except OSError:
         return False
 

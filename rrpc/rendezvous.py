@@ -17,6 +17,10 @@ Every store request this module makes on the way out (barrier, leaving) and
 every membership request runs under a time limit (``request``): TCPStore's own
 timeout does not cover a store that accepts connections but never answers (a
 frozen or partitioned host), and such a request would block for minutes.
+The requests of ``init_rpc`` share one deadline (``init_timeout`` from its
+start, plus a last look): connecting, a static group's exchange, and every
+step of a dynamic join (``request_in_time``), so that a slow store cannot
+stretch an init to several times its timeout, one request at a time.
 """
 
 from __future__ import annotations
@@ -207,9 +211,16 @@ class Rendezvous:
                 f"rank {rank} cannot reach the rendezvous store at {self.where}: {exc}"
             ) from exc
 
-    def request(self, what: str, operation: Callable[[], T], limit: float = REQUEST_LIMIT) -> T:
+    def request(
+        self,
+        what: str,
+        operation: Callable[[], T],
+        limit: float = REQUEST_LIMIT,
+        late: str | None = None,
+    ) -> T:
         """``operation()`` (one or a few store requests), or ``StoreUnreachableError``
-        if it fails to reach the store or takes more than ``limit`` seconds.
+        if it fails to reach the store or takes more than ``limit`` seconds
+        (``late``: what the error says then; by default, the limit).
 
         It runs on a thread of its own (``rrpc-store``) so that the caller can
         stop waiting: a request to a frozen store never returns. That thread
@@ -226,7 +237,7 @@ class Rendezvous:
 
         threading.Thread(target=run, name="rrpc-store", daemon=True).start()
         if not done.wait(max(0.0, limit)):
-            raise self._unreachable(what, f"no answer within {limit:.3g} s")
+            raise self._unreachable(what, late or f"no answer within {limit:.3g} s")
         ok, value = outcome[0]
         if ok:
             return value
@@ -235,6 +246,32 @@ class Rendezvous:
                 value
             )
         raise value
+
+    def time_left(self) -> float:
+        """Seconds left of ``init_rpc``'s rendezvous: to its deadline, plus a last look."""
+        return max(0.0, self.deadline + DEADLINE_LOOK - time.monotonic())
+
+    def request_in_time(self, what: str, operation: Callable[[], T]) -> T:
+        """``request`` within what is left of ``init_rpc``'s deadline (``time_left``).
+
+        A step of an init, of which there are several (a dynamic join makes
+        some ten requests): each gets what the earlier ones left, not a limit
+        of its own. Past the deadline ``operation`` does not start (a claim
+        made after ``init_rpc`` gave up would be nobody's to free): the error
+        says the init timed out before this step, not that the store is gone."""
+        left = self.time_left()
+        if left <= 0:
+            raise self.timed_out(f"before {what}")
+        late = f"no answer by the end of init_timeout ({self.timeout:g} s)"
+        return self.request(what, operation, left, late)
+
+    def timed_out(self, when: str) -> RpcError:
+        """The error of an init whose deadline passed ``when`` (words: "before
+        joining, ...", "while ...") other than waiting for the store."""
+        return RpcError(
+            f"rank {self.rank}: init_rpc timed out after {self.timeout:g} s (init_timeout) "
+            f"{when}, with the rendezvous store at {self.where}"
+        )
 
     def _unreachable(self, what: str, why: str) -> StoreUnreachableError:
         logs.event(

@@ -10,6 +10,7 @@ import logging
 import os
 import queue
 import signal
+import socket
 import threading
 import time
 
@@ -19,7 +20,7 @@ import torch.distributed as dist
 
 import rrpc
 import rrpc.optim
-from harness import WorkerGroup, mp_context
+from harness import WorkerGroup, free_port, mp_context, run_workers
 from rrpc import shm
 from rrpc.agent import current_agent
 
@@ -493,3 +494,96 @@ def test_shutdown_within_its_timeout_when_the_store_is_unreachable(how):
         assert any("cannot reach the rendezvous store" in line for line in result["lines"])
     took = ", ".join(f"{result['seconds']:.2f} s" for result in workers)
     print(f"\nshutdown(timeout={timeout:g}) with the store {how}: {took}")
+
+
+# -- A join whose store stops answering -------------------------------------------------
+
+
+def _store_proxy(listen_port, store_port, trigger, delay):
+    """A TCP proxy to the store that, from the first client packet holding
+    ``trigger`` on, forwards the clients' bytes only ``delay`` seconds after
+    they came (None: never; the store looks frozen: connected, silent).
+    Returns the listening socket (close it to stop) and an Event set at the trigger."""
+    listener = socket.create_server(("127.0.0.1", listen_port))
+    triggered = threading.Event()
+    frozen = threading.Event()  # never set: a timed wait that stands for the link's latency
+
+    def pump(source, target, watch):
+        try:
+            while data := source.recv(65536):
+                if watch and trigger in data:
+                    triggered.set()
+                if watch and triggered.is_set():
+                    if delay is None:
+                        continue  # swallowed
+                    frozen.wait(delay)
+                target.sendall(data)
+        except OSError:
+            return
+
+    def accept():
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            store = socket.create_connection(("127.0.0.1", store_port))
+            threading.Thread(target=pump, args=(client, store, True), daemon=True).start()
+            threading.Thread(target=pump, args=(store, client, False), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    return listener, triggered
+
+
+def _join_through(rank, world_size, proxy_port, init_timeout):
+    _dynamic()
+    options = rrpc.RpcBackendOptions(
+        init_method=f"tcp://127.0.0.1:{proxy_port}", init_timeout=init_timeout
+    )
+    outcome = []
+
+    def join():
+        start = time.monotonic()
+        try:
+            rrpc.init_rpc("late", rank=1, rpc_backend_options=options)
+            outcome.append(("joined", time.monotonic() - start))
+        except Exception as exc:
+            outcome.append((f"{type(exc).__name__}: {exc}", time.monotonic() - start))
+
+    joiner = threading.Thread(target=join, daemon=True)
+    joiner.start()
+    joiner.join(init_timeout + 20)
+    if joiner.is_alive():
+        return ("still in init_rpc", init_timeout + 20)
+    return outcome[0]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(
+    "trigger, delay",
+    [(b"/dynamic", None), (b"/name/late", None), (b"/dynamic", 0.4)],
+    ids=["frozen-at-mode", "frozen-at-claim", "slow"],
+)
+def test_a_dynamic_join_ends_by_init_timeout_when_the_store_stops_answering(trigger, delay):
+    """The store answers the connection and the incarnation's count, then stops
+    answering (frozen) or answers every request ``delay`` late (slow: each
+    request well within init_timeout, the join's ten or so not). Either way
+    init_rpc ends by init_timeout, naming the step it was at."""
+    init_timeout = 2.0
+    store_port, proxy_port = free_port(), free_port()
+    store = dist.TCPStore("127.0.0.1", store_port, None, True, wait_for_workers=False)
+    listener, triggered = _store_proxy(proxy_port, store_port, trigger, delay)
+    try:
+        ((what, seconds),) = run_workers(
+            _join_through, 1, args=(proxy_port, init_timeout), init=False, timeout=60
+        )
+    finally:
+        listener.close()
+        del store
+    assert triggered.is_set()
+    assert seconds < init_timeout + 1.5, (what, seconds)
+    assert what.startswith("StoreUnreachableError: rank 1 cannot reach the rendezvous store"), what
+    assert "(joining, " in what and "init_timeout (2 s)" in what, what
+    if trigger == b"/name/late":
+        assert "(joining, claiming worker name 'late')" in what, what
+    print(f"\njoin through a store that stops answering ({delay=}): {seconds:.2f} s: {what}")
