@@ -23,6 +23,14 @@ Rules:
   member applies the log up to that index before it answers. A member that
   missed a notice (one that raced a join) catches up from the log whenever it
   looks: ``get_worker_infos()``, a name or rank it does not know.
+- A notice has no authority of its own: any member may send one (``_notice``
+  is exposed, for restricted mode), and the rank a stream's caller gives is
+  its own word (``auth.py``: the token is the cluster's, not a worker's). So
+  the events of the log are read from the store, whatever a notice's text
+  says, never past the log's end; and the one event outside the log, a
+  leaver's "left" that it could not write to the store, proves it comes from
+  the leaver: its text carries a key only that incarnation knows, whose hash
+  its "joined" record holds (``leave_hash``; ``Group.heard``).
 - A leaver's notice is answered once the member has marked it gone (new calls
   to it fail at once, naming it) and its own calls to the leaver are done. So
   when every member has answered, nobody has a call left on the leaver, and
@@ -42,16 +50,20 @@ too), so a store that slows down or stops answering ends the join by
 have the DELETEs and every call this worker made is answered; append ``left``;
 free the claims; notify every member and wait for the answers; stop. A worker
 that cannot reach the store at leave still notifies the members directly
-(index 0: an event outside the log), then raises ``StoreUnreachableError``.
+(index 0: an event outside the log, with its leave key), then raises
+``StoreUnreachableError``.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import math
 import os
 import queue
+import secrets
 import socket
 import threading
 import time
@@ -60,7 +72,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rrpc import agent as agent_module
-from rrpc import functions
+from rrpc import functions, logs
 from rrpc.agent import Agent, current_agent
 from rrpc.messages import CALL, RpcError, WorkerInfo
 from rrpc.rendezvous import DEADLINE_LOOK, REQUEST_LIMIT, Rendezvous, StoreUnreachableError
@@ -169,6 +181,8 @@ class Group:
         self.record: dict | None = None  # this worker's own record once joined
         self._claimed: list[str] = []  # store keys holding our record
         self._joined_at = 0  # the index of our "joined" event
+        # Proves a "left" outside the log ours: only its hash is published.
+        self._leave_key = secrets.token_hex(16)
 
     # -- Store requests ------------------------------------------------------
     def _request(self, what: str, operation: Callable[[], Any], limit: float | None) -> Any:
@@ -198,6 +212,7 @@ class Group:
             "incarnation": agent.incarnation,
             "address": agent.address,
             "advertised": agent.advertisement(),
+            "leave_hash": _hash(self._leave_key),
         }
         self.record, mine = record, json.dumps(record)
         try:
@@ -296,33 +311,84 @@ class Group:
         self._notify(self._joined_at, json.dumps(self.record), timeout, 0.0)
 
     # -- Applying the log ----------------------------------------------------
-    def catch_up(
-        self,
-        index: int | None = None,
-        given: str | None = None,
-        limit: float | None = REQUEST_LIMIT,
-    ) -> None:
-        """Apply the log up to event ``index`` (None: its end); ``given`` is
-        event ``index`` itself, when a notice brought it."""
+    def catch_up(self, index: int | None = None, limit: float | None = REQUEST_LIMIT) -> None:
+        """Apply the log up to event ``index`` (None: its end), as the store
+        has it; never past the log's end (an index may be a notice's word)."""
         store, prefix = self.rendezvous.store, self.prefix
         with self.lock:
-            if index is None:
-                index = self._request(
-                    "reading the group's log", lambda: store.add(f"{prefix}events", 0), limit
-                )
-            if index <= self.applied:
+            first = self.applied + 1
+            if index is not None and index < first:
                 return
-            known = {index: given} if given is not None else {}
-            missing = [i for i in range(self.applied + 1, index + 1) if i not in known]
-            if missing:
-                keys = [f"{prefix}event/{i}" for i in missing]
-                texts = self._request(
-                    "reading the group's log", lambda: store.multi_get(keys), limit
-                )
-                known.update(zip(missing, (_text(text) for text in texts), strict=True))
-            for i in range(self.applied + 1, index + 1):
-                self._apply(json.loads(known[i]))
+
+            def read() -> list[bytes]:
+                end = store.add(f"{prefix}events", 0)
+                last = end if index is None else min(index, end)
+                keys = [f"{prefix}event/{i}" for i in range(first, last + 1)]
+                return store.multi_get(keys) if keys else []
+
+            texts = self._request("reading the group's log", read, limit)
+            for i, text in enumerate(texts, first):
+                self._apply(json.loads(_text(text)))
                 self.applied = i
+
+    def heard(self, index: int, text: str) -> dict | None:
+        """Apply what a notice says happened (see the module doc): the log up
+        to event ``index``, read from the store; or, ``index`` 0, a leaver's
+        "left" outside the log, if it proves it comes from the leaver, for the
+        member's current incarnation. Returns the event a leaver's drain is
+        for (a "left" as the log or its leaver has it), else None.
+
+        Raises ``RpcError`` for a notice that cannot be true (logged): a peer
+        sent it that may be a member but is no authority on membership."""
+        claim = _parsed(text)
+        if not isinstance(index, int) or index < 0 or claim is None:
+            raise self._false_notice(index, claim or {}, "it is malformed")
+        if index:
+            with self.lock:
+                self.catch_up(index)
+                if index > self.applied:
+                    raise self._false_notice(index, claim, "the group's log has no such event")
+            if claim.get("kind") != "left":
+                return None  # nothing to drain; what joined was read from the log
+            store, key = self.rendezvous.store, f"{self.prefix}event/{index}"
+            logged = self._request(
+                "reading the group's log", lambda: _text(store.get(key)), REQUEST_LIMIT
+            )
+            event = json.loads(logged)
+            return event if event["kind"] == "left" else None
+        with self.lock:
+            if claim.get("kind") != "left":
+                raise self._false_notice(index, claim, 'only a leaver\'s own "left" is')
+            current = self.members.get(claim.get("name"))
+            if current is None or (current["rank"], current["incarnation"]) != (
+                claim.get("rank"),
+                claim.get("incarnation"),
+            ):
+                return None  # an older incarnation's, or applied already from the log
+            if not _proves(current, claim.get("leave_key")):
+                raise self._false_notice(index, claim, "it does not come from the leaver")
+            event = {**current, "kind": "left"}
+            self._apply(event)
+        return event
+
+    def _false_notice(self, index: object, claim: dict, why: str) -> RpcError:
+        """The error for a false notice, logged. Its words are the sender's,
+        quoted; one log line per interval for them all: the sender is unknown."""
+        assert self.agent is not None
+        what = f"{claim.get('kind')!r} of {claim.get('name')!r} (rank {claim.get('rank')!r})"
+        where = f"event {index!r} of the group's log" if index else "an event outside the log"
+        logs.event(
+            "false-notice",
+            "membership",
+            "%s: ignored a membership notice that cannot be true (%s as %s): %s",
+            self.agent.info.name,
+            what,
+            where,
+            why,
+        )
+        return RpcError(
+            f"{self.agent.info.name} ignored a membership notice ({what} as {where}): {why}"
+        )
 
     def _apply(self, event: dict) -> None:
         """One event, in log order (or outside it, from a leaver that could not
@@ -416,7 +482,7 @@ class Group:
 
         Raises ``StoreUnreachableError`` if the store did not answer within
         the time left before ``deadline`` (at most ``REQUEST_LIMIT``); the
-        members are told directly then."""
+        members are told directly then, with the key that proves it us."""
         assert self.agent is not None and self.record is not None
         limit = min(REQUEST_LIMIT, _remaining(deadline)) if graceful else 2.0
         text = json.dumps({**self.record, "kind": "left"})
@@ -428,6 +494,7 @@ class Group:
                 self.catch_up(index - 1, limit=limit)
         except StoreUnreachableError as exc:
             index, unreachable = 0, exc
+            text = json.dumps({**self.record, "kind": "left", "leave_key": self._leave_key})
         if self.agent.group is self:
             self.agent.group = None
         remaining = _remaining(deadline)
@@ -439,25 +506,22 @@ class Group:
 
 
 def _notice(index: int, text: str, drain: float) -> None:
-    """A member joined or left (``text``, event ``index`` of the log; 0: an
-    event a leaver could not write to the store). Answered once applied and,
-    for a leaver, once this worker has no call left on it (``drain``: seconds,
-    0 no limit)."""
+    """A member joined or left (event ``index`` of the log, which ``text``
+    describes; 0: an event a leaver could not write to the store, ``text``
+    itself). Answered once applied and, for a leaver, once this worker has no
+    call left on it (``drain``: seconds, 0 no limit). What is applied is what
+    the store or the leaver's proof says, not the sender (``Group.heard``)."""
     agent = agent_module._current
     group = agent.group if agent is not None else None
     if group is None:
         return  # not (or no longer) a member
-    event = json.loads(text)
-    if index:
-        group.catch_up(index, text)
-    else:
-        with group.lock:
-            group._apply(event)
-    if event["kind"] == "left" and group.agent is not None:
+    event = group.heard(index, text)
+    if event is not None and group.agent is not None:
         group.agent.wait_idle(drain or math.inf, peer=event["rank"])
 
 
-functions.expose(_notice)  # restricted mode: peers may send it; it takes only JSON text
+# Restricted mode: peers may send it. It takes only JSON text, and trusts none of it.
+functions.expose(_notice)
 
 
 def _swap(store: Any, key: str, expected: str, desired: str) -> Callable[[], str]:
@@ -466,6 +530,27 @@ def _swap(store: Any, key: str, expected: str, desired: str) -> Callable[[], str
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+def _parsed(text: object) -> dict | None:
+    """A notice's JSON object, or None if it is not one."""
+    try:
+        value = json.loads(text) if isinstance(text, str) else None
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _hash(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def _proves(record: dict, key: object) -> bool:
+    """Whether ``key`` is the leave key of the member that joined with ``record``."""
+    published = record.get("leave_hash")
+    if not isinstance(key, str) or not isinstance(published, str):
+        return False  # a record from before leave keys proves nothing
+    return hmac.compare_digest(_hash(key), published)
 
 
 def _answers(address: str, timeout: float) -> bool:

@@ -6,6 +6,7 @@ Most tests run the group on a store that no worker hosts: a plain
 no member is special: rrpc rank 0 may leave first.
 """
 
+import json
 import logging
 import os
 import queue
@@ -20,8 +21,8 @@ import torch.distributed as dist
 
 import rrpc
 import rrpc.optim
-from harness import WorkerGroup, free_port, mp_context, run_workers
-from rrpc import shm
+from harness import WorkerGroup, free_port, mp_context, outcome, run_workers
+from rrpc import membership, shm
 from rrpc.agent import current_agent
 
 
@@ -587,3 +588,128 @@ def test_a_dynamic_join_ends_by_init_timeout_when_the_store_stops_answering(trig
     if trigger == b"/name/late":
         assert "(joining, claiming worker name 'late')" in what, what
     print(f"\njoin through a store that stops answering ({delay=}): {seconds:.2f} s: {what}")
+
+
+# -- Notices prove nothing by themselves ------------------------------------------------
+
+
+@rrpc.functions.expose
+def _whereabouts():
+    return os.getpid()
+
+
+def _forgeries():
+    """worker2's false notices to worker0, as (what, index, event): events
+    outside the log that only the log may hold, an index past the log's end,
+    another member's "left" without its leave key, and a real index with a
+    text that does not say what that event is."""
+    group = current_agent().group
+    group.catch_up()
+    worker1 = dict(group.members["worker1"])
+    elsewhere = {**worker1, "address": "127.0.0.1:1", "advertised": {}}
+    ghost = {**elsewhere, "name": "ghost", "rank": 7}
+    return [
+        ("worker1 replaced", 0, elsewhere),
+        ("a ghost joined", 0, ghost),
+        ("a ghost joined next in the log", group.applied + 1, ghost),
+        ("a ghost joined past the log's end", group.applied + 100, ghost),
+        ("worker1 left, unproven", 0, {**worker1, "kind": "left"}),
+        ("worker1 left, wrong key", 0, {**worker1, "kind": "left", "leave_key": "00" * 16}),
+        ("worker1 left, as event 1 (a join)", 1, {**worker1, "kind": "left"}),
+    ]
+
+
+def _forged_notices(rank, world_size, up, joined, attacked, finished):
+    _dynamic()
+    if rank == 0:
+        return _store(rank, world_size, up, finished, 3)
+    assert up.wait(60)
+    me = rank - 1
+    rrpc.init_rpc(f"worker{me}", rank=me)
+    joined[me].set()
+    assert all(event.wait(60) for event in joined)
+    result = None
+    if me == 2:  # a member, authenticated, that no one should take at its word
+        result = {
+            what: outcome(
+                rrpc.rpc_sync, "worker0", membership._notice, args=(index, json.dumps(event), 0.0)
+            )
+            for what, index, event in _forgeries()
+        }
+        attacked.set()
+    elif me == 0:
+        assert attacked.wait(60)
+        result = {
+            "names": [w.name for w in rrpc.get_worker_infos()],
+            "worker1": outcome(rrpc.rpc_sync, "worker1", _whereabouts, timeout=10),
+        }
+    assert attacked.wait(60)
+    rrpc.shutdown()
+    finished.release()
+    return result
+
+
+@pytest.mark.timeout(120)
+def test_a_member_cannot_forge_a_membership_change_on_another_in_restricted_mode():
+    up, attacked = mp_context.Event(), mp_context.Event()
+    joined = [mp_context.Event() for _ in range(3)]
+    env = {"RRPC_AUTH_TOKEN": "membership-token", "RRPC_RESTRICTED": "1"}
+    args = (up, joined, attacked, mp_context.Semaphore(0))
+    with WorkerGroup(_forged_notices, 4, args=args, env=env, init=False) as group:
+        _, worker0, _, forger = group.wait(100)
+    for what, reply in forger.items():
+        if what == "worker1 left, as event 1 (a join)":
+            assert "value" in reply, (what, reply)  # a real event, read from the log: a join
+            continue
+        assert reply.get("type") == "RpcError", (what, reply)
+        assert "worker0 ignored a membership notice" in reply["message"], (what, reply)
+    assert worker0["names"] == ["worker0", "worker1", "worker2"]
+    assert worker0["worker1"].get("value") == group.processes[2].pid, worker0
+
+
+def _leave_without_store(rank, world_size, up, joined, store_gone, left, finished):
+    _dynamic()
+    if rank == 0:
+        return _store(rank, world_size, up, finished, 2)
+    assert up.wait(60)
+    seen = _events()
+    rrpc.init_rpc(f"worker{rank - 1}", rank=rank - 1)
+    joined[rank - 1].set()
+    assert all(event.wait(60) for event in joined)
+    assert store_gone.wait(60)
+    if rank == 2:  # worker1 leaves; its "left" cannot reach the log, so it tells worker0
+        membership.REQUEST_LIMIT = 2.0  # the store's limit: not 10 s of this test's time
+        error = outcome(rrpc.shutdown)
+        left.set()
+        finished.release()
+        return error
+    assert left.wait(60)
+    event = _next_event(seen, "left", "worker1")
+    # Gone from the directory, with why (a call by name would ask the frozen store
+    # first whether a worker1 joined again).
+    departed = current_agent().peers.departed.get("worker1")
+    rrpc.shutdown(graceful=False)  # the store is still frozen
+    finished.release()
+    return {"event": event[:3], "departed": departed}
+
+
+@pytest.mark.timeout(120)
+def test_a_leaver_that_cannot_reach_the_store_still_tells_the_members_itself():
+    """The one notice outside the log: the leaver's "left", proven by its key."""
+    up, store_gone, left = (mp_context.Event() for _ in range(3))
+    joined = [mp_context.Event() for _ in range(2)]
+    args = (up, joined, store_gone, left, mp_context.Semaphore(0))
+    with WorkerGroup(_leave_without_store, 3, args=args, init=False) as group:
+        try:
+            assert all(event.wait(60) for event in joined)
+            group.send_signal(0, signal.SIGSTOP)  # accepts connections, never answers
+            store_gone.set()
+            assert left.wait(90)
+            for worker in group.processes[1:]:
+                worker.join(60)
+        finally:
+            group.send_signal(0, signal.SIGCONT)
+        _, worker0, leaver = group.wait(60)
+    assert "cannot reach the rendezvous store" in leaver.get("message", ""), leaver
+    assert worker0["event"] == ("left", "worker1", 0), worker0
+    assert worker0["departed"] == "worker 'worker1' (rank 1) left the group", worker0
