@@ -16,8 +16,8 @@ Theory of operation:
 - Exactly one of three things ends a call, whichever takes it from the table
   first: its reply, its deadline (``calls.Deadlines``: one entry on the
   run's scheduler, at the earliest deadline), or the carrier it went out on
-  breaking. Taking is atomic, so a late reply is dropped. The table decides;
-  the agent completes.
+  breaking. Taking is atomic, so a late reply is dropped (once decoded: an
+  RRef in it is counted, then let go). The table decides; the agent completes.
 - Upper layers plug in without the agent importing them: ``init_rpc``
   builds the run's services (``rrpc/worker.py``), which register handlers
   for their kinds and layers on the send path; distributed autograd sets
@@ -45,6 +45,7 @@ dict; ids come from an atomic counter).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
@@ -162,8 +163,7 @@ class Agent:
         self.register = self.dispatcher.register
         self.autograd_hooks: AutogradHooks | None = None
         self.metrics = metrics.Metrics()  # calls, errors, bytes, latency: by peer, by function
-        # Dynamic membership: how many times this rank joined before (rrpc/membership.py).
-        self.incarnation = 0
+        self.incarnation = 0  # times this rank joined a dynamic group before (membership.py)
         self.calls = CallTable()  # the calls this worker sent and awaits
         # Ranks maybe dead: their carrier broke, a lane to them could not open, or a barrier
         # probes them (``all_unreachable``); cleared by their next reply. No new lane opens to them.
@@ -172,8 +172,7 @@ class Agent:
         self._stopped = False
         # In the shutdown barrier: a carrier breaking is a peer that stopped first (not logged).
         self.leaving = False
-        # Set once init_rpc has learned every peer: requests wait for it.
-        self.ready = threading.Event()
+        self.ready = threading.Event()  # set once init_rpc learned every peer: requests wait for it
         server_credentials, channel_credentials = transport.tls_credentials(
             options.tls_cert_file, options.tls_key_file, options.tls_ca_file
         )
@@ -187,10 +186,8 @@ class Agent:
         # Replies in shared memory their callers have not read: bounded as a backlog.
         unread_replies = peers.UnreadReplies(self.peers, streams.REPLY_BACKLOG)
         self.pool = WorkerPool(options.num_worker_threads, f"rrpc-{name}")
-        # Timed work of this run (deadlines, resends, delays): short callbacks only.
-        self.scheduler = Scheduler()
-        # None unless FaultyRpcBackendOptions.
-        self.faults = faults.injector(options, self.scheduler)
+        self.scheduler = Scheduler()  # timed work: deadlines, resends, delays; short callbacks only
+        self.faults = faults.injector(options, self.scheduler)  # None: no fault injection
         self._deadlines = Deadlines(self.calls, self.scheduler, self._expire)
         # Every request passes through these on its way out (``add_send_layer``),
         # outermost first; ``send`` is them wrapped around ``_send``.
@@ -413,8 +410,7 @@ class Agent:
         context_id = thread_state.autograd_context_id
 
         def attempt(number: int) -> None:
-            # A resend runs on the scheduler's thread: in the sender's context,
-            # for this send only.
+            # A resend runs on the scheduler's thread: in the sender's context, for this send only.
             previous = thread_state.autograd_context_id
             thread_state.autograd_context_id = context_id
             try:
@@ -475,9 +471,13 @@ class Agent:
         pending = self.calls.settle(envelope.request_id)
         tensor_bytes = frame.tensor_bytes()
         size = len(frame.payload) + tensor_bytes
-        if pending is None:
+        if pending is None:  # timed out or failed already
             metrics.late(self.peer_stats(peer), size, tensor_bytes)
-            return False  # timed out or failed already
+            # Decoded all the same, and dropped: an RRef in it is counted by
+            # unpickling it, then let go; undecoded, its owner would keep it.
+            with contextlib.suppress(Exception):  # no one to tell: the caller has its error
+                codec.loads(frame, peer, None, self.unpickle)
+            return False
         if self.suspects:
             self.suspects.discard(peer.id)
         latency = time.monotonic() - pending.started
@@ -507,7 +507,7 @@ class Agent:
 
     def _expire(self, call: Call) -> None:
         if isinstance(call.stream, lane.Lane):
-            call.stream.ended(call.request_id)
+            call.stream.expired(call.request_id)
         metrics.ended(call.row, timed_out=True)
         settle(
             call.future,

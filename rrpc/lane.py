@@ -129,8 +129,10 @@ class Lane:
         self._writer = Writer(sock, peer_name, limit=1 << 62)
         self._turn = threading.Lock()  # held by the thread reading replies
         self._open = 0  # calls sent on this lane and not ended (``ended``)
-        # Those of them whose replies only rrpc's bookkeeping awaits, by request id.
+        # Those of them whose replies only rrpc's bookkeeping awaits, by request id,
+        # and of these the calls past their deadline (``expired``).
         self._bookkeeping: set[int] = set()
+        self._late: set[int] = set()
         self._open_lock = threading.Lock()
         self._wanted_lock = threading.Lock()
         self._wanted = threading.Condition(self._wanted_lock)
@@ -166,6 +168,17 @@ class Lane:
         with self._open_lock:
             self._open -= 1
             self._bookkeeping.discard(request_id)
+            self._late.discard(request_id)
+
+    def expired(self, request_id: int) -> None:
+        """A call's deadline passed: its caller waits no more, but its reply is
+        read all the same, as bookkeeping (``read_soon``), and ends the call.
+        Unread, it would wait in the socket for the next call to this peer,
+        and an RRef in it would not be counted, nor let go, until then."""
+        with self._open_lock:
+            self._bookkeeping.add(request_id)
+            self._late.add(request_id)
+        self.read_soon()
 
     def read_soon(self) -> None:
         """A reply is awaited that nobody waits for at once (the bookkeeping of
@@ -245,8 +258,9 @@ class Lane:
                     reason = bytes(frame.payload).decode(errors="replace")
                     self._break(LaneBroken(f"{self.peer_name} closed it: {reason}"))
                     return
-                if self._on_frame(frame):
-                    self.ended(frame.envelope.request_id)
+                request_id = frame.envelope.request_id
+                if self._on_frame(frame) or request_id in self._late:
+                    self.ended(request_id)
                 del frame
         except Exception as exc:  # a malformed reply: the lane cannot be trusted further
             self._break(LaneBroken(f"malformed frame from {self.peer_name}: {exc}"))

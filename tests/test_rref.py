@@ -450,6 +450,68 @@ def test_rref_sent_back_to_its_owner_is_the_owners_own_object(cluster, no_rrefs_
     assert cluster.run(_round_trip_to_owner) == (True, True, True, (True, True))
 
 
+_late_release = threading.Event()
+_kept_for_later: list = []
+
+
+def _keep_for_later(*rrefs):
+    _kept_for_later.extend(rrefs)
+
+
+def _return_kept_once_released():
+    """On worker1: its own RRef and its user RRefs (to worker0's and worker2's
+    values), returned once the caller has given up waiting for them."""
+    assert _late_release.wait(30)
+    _late_release.clear()
+    kept = [*_kept_for_later, rrpc.RRef(Box(3))]
+    _kept_for_later.clear()
+    return kept
+
+
+def _release_late_reply():
+    _late_release.set()
+
+
+def _here_and_on(name):
+    return [_collect_and_debug_info(), rrpc.rpc_sync(name, _collect_and_debug_info)]
+
+
+def _rrefs_in_a_late_reply():
+    kept = (rrpc.RRef(Box(1)), rrpc.remote("worker2", Box, args=(2,)))
+    rrpc.rpc_sync("worker1", _keep_for_later, args=kept)
+    del kept
+    late = _outcome(rrpc.rpc_sync, "worker1", _return_kept_once_released, timeout=0.5)
+    # From here no call goes to worker1 but through worker2: on a same-host
+    # lane, worker0's next call to worker1 would read the late reply itself.
+    rrpc.rpc_sync("worker2", rrpc.rpc_sync, args=("worker1", _release_late_reply))
+    infos: list = []
+
+    def empty():
+        infos[:] = [
+            _collect_and_debug_info(),
+            *rrpc.rpc_sync("worker2", _here_and_on, ("worker1",)),
+        ]
+        return all(info == ZERO_DEBUG_INFO for info in infos)
+
+    try:
+        wait_until(empty, timeout=20, what="empty RRef tables")
+    except AssertionError:
+        pass
+    return late[0], infos
+
+
+@pytest.mark.timeout(90)
+def test_rrefs_in_a_reply_that_comes_after_its_timeout_are_counted_then_let_go(
+    cluster, no_rrefs_left_behind
+):
+    # The late reply is read (on a lane too), decoded and dropped: each RRef in
+    # it is counted by its owner and let go, and no fork of worker1 stays a
+    # pending child (its graceful shutdown would wait for it).
+    late, infos = cluster.run(_rrefs_in_a_late_reply)
+    assert late == "RpcTimeoutError"
+    assert infos == [ZERO_DEBUG_INFO] * 3
+
+
 # -- Errors --------------------------------------------------------------------
 
 
