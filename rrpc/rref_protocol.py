@@ -46,6 +46,12 @@ Theory of operation (PyTorch's Remote Reference Protocol, docs/source/rpc/rref.r
   ``awaiting_create``; the CREATE fills it. Placeholders are only possible for
   values created by another worker; an unknown id of this worker's own is an
   error.
+- A CREATE that never runs (the owner could not decode it) is reported by its
+  creator (CREATE_FAILED): it fails the placeholder, and the owner remembers
+  the failure (``failed``, the last ``FAILED_KEPT``), as a FORK or FETCH may
+  still come (the RRef was passed on before the creation failed): it gets a
+  holder failed already, counted as any until its forks go, instead of a
+  placeholder that nothing would fill or free.
 
 User fork transitions (``UserTable``; ``children`` = pending children)::
 
@@ -77,10 +83,13 @@ Owner entry transitions (``OwnerTable``)::
     present            received from user p        same                   ACCEPT(f) to p
     present            received from owner itself  as DELETE(f)           holder
     awaiting_create    creation failed             created (as DELETE)    holder to fail
+    absent, failed     FORK(f)                     forks {f}              holder failed
+    absent, failed     FETCH / receipt from user   absent                 holder failed
 """
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -89,6 +98,10 @@ from rrpc.messages import RREF_ACCEPT, RREF_DELETE, RREF_FORK, ProtocolError, ki
 
 RRefId = tuple[int, int]  # (rank of the worker that created it, that worker's counter)
 ForkId = tuple[int, int]
+# Failed creations an owner remembers, each with its error (a few hundred
+# bytes): a FORK or FETCH that comes after more than this many later failures
+# makes a placeholder that waits for ever, as before the failure was known.
+FAILED_KEPT = 1024
 
 
 def format_id(unique_id: tuple[int, int]) -> str:
@@ -116,12 +129,17 @@ class OwnerEntry:
 
 
 class OwnerTable:
-    """The values this worker owns that other workers refer to."""
+    """The values this worker owns that other workers refer to.
 
-    def __init__(self, rank: int, make_holder: Callable[[RRefId], Any]):
+    ``make_holder(rref_id, failed)`` makes the holder of a value not created
+    yet, or (``failed``: its error) never to be."""
+
+    def __init__(self, rank: int, make_holder: Callable[[RRefId, Any], Any]):
         self.rank = rank
-        self.make_holder = make_holder  # for placeholders of values not created yet
+        self.make_holder = make_holder
         self.entries: dict[RRefId, OwnerEntry] = {}
+        # Creations that failed (``creation_failed``), oldest first: rref id -> error.
+        self.failed: collections.OrderedDict[RRefId, Any] = collections.OrderedDict()
 
     def _entry_or_placeholder(self, rref_id: RRefId, event: str) -> OwnerEntry:
         entry = self.entries.get(rref_id)
@@ -131,9 +149,16 @@ class OwnerTable:
                     f"{event} for RRef {format_id(rref_id)}, which worker {self.rank} created "
                     "but no longer holds for any user (deleted, or never forked)"
                 )
-            entry = OwnerEntry(self.make_holder(rref_id), awaiting_create=True)
+            failed = self.failed.get(rref_id)
+            entry = OwnerEntry(self.make_holder(rref_id, failed), awaiting_create=failed is None)
             self.entries[rref_id] = entry
         return entry
+
+    def _holder_of(self, rref_id: RRefId, event: str) -> Any:
+        """The holder an event that counts no fork reads; a failed one is not kept."""
+        entry = self._entry_or_placeholder(rref_id, event)
+        self._release_if_unreferenced(rref_id, entry)
+        return entry.holder
 
     def _add_fork(self, entry: OwnerEntry, rref_id: RRefId, fork_id: ForkId, event: str) -> None:
         if fork_id in entry.forks:
@@ -146,13 +171,13 @@ class OwnerTable:
         """The holder of a value a user names by id in a call (a placeholder if
         its CREATE has not run yet). The calling user keeps its fork for the
         whole call, so the entry exists or is still to be created."""
-        return self._entry_or_placeholder(rref_id, "call by id").holder
+        return self._holder_of(rref_id, "call by id")
 
     def create(self, rref_id: RRefId, fork_id: ForkId) -> Any:
         """CREATE from the worker that called remote(): count its fork; return the holder."""
         entry = self.entries.get(rref_id)
         if entry is None:
-            entry = OwnerEntry(self.make_holder(rref_id))
+            entry = OwnerEntry(self.make_holder(rref_id, None))
             self.entries[rref_id] = entry
         elif entry.awaiting_create:
             entry.awaiting_create = False
@@ -168,7 +193,7 @@ class OwnerTable:
 
     def fetch(self, rref_id: RRefId) -> Any:
         """The holder a FETCH (to_here) reads; a placeholder if CREATE has not run yet."""
-        return self._entry_or_placeholder(rref_id, "FETCH").holder
+        return self._holder_of(rref_id, "FETCH")
 
     def fork_to_user(self, rref_id: RRefId, fork_id: ForkId, holder: Any) -> None:
         """The owner pickles its own RRef for another worker: count the copy now."""
@@ -201,14 +226,18 @@ class OwnerTable:
             self.delete(rref_id, fork_id)
             return holder, []
         # A user sent it: the user's pending child covers it until ACCEPT.
-        holder = self._entry_or_placeholder(rref_id, f"receipt of fork {format_id(fork_id)}").holder
+        holder = self._holder_of(rref_id, f"receipt of fork {format_id(fork_id)}")
         return holder, [Send(RREF_ACCEPT, parent, (fork_id,))]
 
-    def creation_failed(self, rref_id: RRefId) -> Any:
-        """The CREATE of ``rref_id`` will never run (its payload was refused).
+    def creation_failed(self, rref_id: RRefId, error: Any) -> Any:
+        """The CREATE of ``rref_id`` will never run (its payload was refused):
+        ``error`` is what a FORK or FETCH still to come gets (see the theory).
 
         Returns the placeholder's holder, for the caller to fail its waiters,
         or None if there is none."""
+        self.failed[rref_id] = error
+        while len(self.failed) > FAILED_KEPT:
+            self.failed.popitem(last=False)
         entry = self.entries.get(rref_id)
         if entry is None or not entry.awaiting_create:
             return None

@@ -122,7 +122,8 @@ class RRefService:
         self.rank = agent.info.id
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)  # notified when a message is answered
-        self.owners = OwnerTable(self.rank, functools.partial(make_placeholder, self))
+        self.make_placeholder = make_placeholder
+        self.owners = OwnerTable(self.rank, self._placeholder)
         self.users = UserTable(self.rank)
         # Protocol messages sent and not answered yet (FORK is counted as an
         # unconfirmed fork in the user table instead).
@@ -159,6 +160,14 @@ class RRefService:
             target=self._run_sender, name=f"rrpc-rref-{agent.info.name}", daemon=True
         )
         self._sender.start()
+
+    def _placeholder(self, rref_id: RRefId, failed: BaseException | None) -> Any:
+        """The owner table's holder of a value not created yet, or (``failed``)
+        never to be: its value is that error, for every fetch."""
+        holder = self.make_placeholder(self, rref_id)
+        if failed is not None:
+            holder._future.set_result(Failed(failed))  # new: no callback runs
+        return holder
 
     def new_id(self) -> tuple[int, int]:
         return (self.rank, next(self._ids))  # next() on a count is atomic under the GIL
@@ -490,13 +499,13 @@ class RRefService:
 
     def serve_create_failed(self, payload: tuple, caller: WorkerInfo) -> None:
         (rref_id,) = payload
+        error = RpcError(
+            f"remote() creating RRef {format_id(rref_id)} on {self.agent.info.name} "
+            f"failed on {caller.name} before it ran (see the error remote() got there)"
+        )
         with self.lock:
-            holder = self.owners.creation_failed(rref_id)
+            holder = self.owners.creation_failed(rref_id, error)
         if holder is not None and not holder._future.done():
-            error = RpcError(
-                f"remote() creating RRef {format_id(rref_id)} on {self.agent.info.name} "
-                f"failed on {caller.name} before it ran (see the error remote() got there)"
-            )
             holder._future.set_result(Failed(error))
 
     # -- Debugging ---------------------------------------------------------------

@@ -24,7 +24,7 @@ import torch
 import rrpc
 from harness import WorkerGroup, mp_context, run_workers
 from rrpc import agent as agent_hooks
-from rrpc.messages import RREF_ACCEPT, RREF_DELETE, RREF_FETCH
+from rrpc.messages import RREF_ACCEPT, RREF_CREATE_FAILED, RREF_DELETE, RREF_FETCH
 
 WORKERS = ("worker0", "worker1", "worker2")
 ZERO_DEBUG_INFO = {
@@ -510,6 +510,92 @@ def test_rrefs_in_a_reply_that_comes_after_its_timeout_are_counted_then_let_go(
     late, infos = cluster.run(_rrefs_in_a_late_reply)
     assert late == "RpcTimeoutError"
     assert infos == [ZERO_DEBUG_INFO] * 3
+
+
+def _explode():
+    raise ValueError("cannot be unpickled on the owner")
+
+
+class _RefusedByTheOwner:
+    """An argument that fails to unpickle on the owner: remote()'s CREATE never runs."""
+
+    def __reduce__(self):
+        return _explode, ()
+
+
+_gate = threading.Event()
+_create_failed_served = threading.Event()
+
+
+def _wait_at_the_gate():
+    assert _gate.wait(30)
+    _gate.clear()
+
+
+class _HeldAtTheGate:
+    """Unpickles once ``_gate`` opens: what follows it in a message unpickles late."""
+
+    def __reduce__(self):
+        return _wait_at_the_gate, ()
+
+
+def _open_the_gate():
+    _gate.set()
+
+
+def _keep_last(*values):
+    _kept_for_later.append(values[-1])
+
+
+def _note_the_next_create_failed():
+    handlers = agent_hooks.current_agent().handlers
+    real = handlers[RREF_CREATE_FAILED]
+
+    def serve_create_failed(payload, caller):
+        handlers[RREF_CREATE_FAILED] = real
+        try:
+            return real(payload, caller)
+        finally:
+            _create_failed_served.set()
+
+    handlers[RREF_CREATE_FAILED] = serve_create_failed
+
+
+def _wait_for_create_failed():
+    assert _create_failed_served.wait(30)
+    _create_failed_served.clear()
+
+
+def _fetch_and_drop_kept():
+    rref = _kept_for_later.pop()
+    fetched = _outcome(rref.to_here, 5)
+    del rref
+    return fetched
+
+
+def _fork_after_create_failed():
+    rrpc.rpc_sync("worker1", _note_the_next_create_failed)
+    rref = rrpc.remote("worker1", _echo, args=(_RefusedByTheOwner(),))
+    # worker2 unpickles its copy (and sends its FORK) only once the gate opens.
+    passing = rrpc.rpc_async("worker2", _keep_last, args=(_HeldAtTheGate(), rref))
+    mine = _outcome(rref.to_here)
+    rrpc.rpc_sync("worker1", _wait_for_create_failed)
+    rrpc.rpc_sync("worker1", rrpc.rpc_sync, args=("worker2", _open_the_gate))
+    passing.wait()
+    del rref
+    return mine[0], rrpc.rpc_sync("worker2", _fetch_and_drop_kept)
+
+
+@pytest.mark.timeout(90)
+def test_a_fork_that_reaches_the_owner_after_the_creation_failed_gets_its_error(
+    cluster, no_rrefs_left_behind
+):
+    # The owner remembers the failure: worker2's FORK, coming after it, gets
+    # a holder failed already (its to_here raises at once, no timeout), which
+    # worker2's drop frees (no placeholder waits for a CREATE for ever).
+    mine, (theirs, message) = cluster.run(_fork_after_create_failed)
+    assert mine != "returned"
+    assert theirs == "RpcError" and "before it ran" in str(message), message
 
 
 # -- Errors --------------------------------------------------------------------

@@ -8,7 +8,15 @@ tables, in the orders the network may deliver them.
 import pytest
 
 from rrpc.messages import RREF_ACCEPT, RREF_DELETE, RREF_FORK
-from rrpc.rref_protocol import CONFIRMED, FAILED, OwnerTable, ProtocolError, Send, UserTable
+from rrpc.rref_protocol import (
+    CONFIRMED,
+    FAILED,
+    FAILED_KEPT,
+    OwnerTable,
+    ProtocolError,
+    Send,
+    UserTable,
+)
 
 OWNER, ALICE, BOB = 0, 1, 2
 RREF = (ALICE, 1)  # created by Alice's remote()
@@ -17,7 +25,10 @@ BOB_FORK = (ALICE, 3)  # Alice pickles her RRef for Bob: the child's id is hers
 
 
 def make_owner() -> OwnerTable:
-    return OwnerTable(OWNER, make_holder=lambda rref_id: f"value of {rref_id}")
+    def make_holder(rref_id, failed):
+        return f"value of {rref_id}" if failed is None else f"{failed} {rref_id}"
+
+    return OwnerTable(OWNER, make_holder)
 
 
 def alice_created_and_confirmed(owner: OwnerTable) -> UserTable:
@@ -237,5 +248,33 @@ def test_duplicate_create_and_double_confirmation_are_protocol_errors():
 def test_creation_failure_fails_and_releases_a_placeholder_nobody_counts():
     owner = make_owner()
     owner.fetch(RREF)  # a to_here() that overtook a CREATE that will never run
-    assert owner.creation_failed(RREF) == f"value of {RREF}"
+    assert owner.creation_failed(RREF, "refused") == f"value of {RREF}"
     assert owner.entries == {}
+
+
+def test_a_fork_or_fetch_after_a_creation_failed_gets_a_holder_failed_already():
+    owner = make_owner()
+    assert owner.creation_failed(RREF, "refused") is None  # nothing overtook it
+    # Alice passed her RRef to Bob before the CREATE failed; his FORK comes after.
+    owner.fork_request(RREF, BOB_FORK)
+    assert owner.entries[RREF].holder == f"refused {RREF}"
+    assert not owner.entries[RREF].awaiting_create  # no CREATE will fill it
+    assert owner.fetch(RREF) == f"refused {RREF}"
+    assert owner.delete(RREF, BOB_FORK) == f"refused {RREF}"  # his drop frees it
+    assert owner.entries == {}
+    # A FETCH, or a receipt from a user, counts no fork: nothing is kept for it.
+    assert owner.fetch(RREF) == f"refused {RREF}"
+    assert owner.receive(RREF, BOB_FORK, BOB) == (
+        f"refused {RREF}",
+        [Send(RREF_ACCEPT, BOB, (BOB_FORK,))],
+    )
+    assert owner.entries == {}
+
+
+def test_an_owner_remembers_only_the_latest_failed_creations():
+    owner = make_owner()
+    for counter in range(FAILED_KEPT + 10):
+        owner.creation_failed((ALICE, counter), "refused")
+    assert len(owner.failed) == FAILED_KEPT
+    assert (ALICE, 9) not in owner.failed and (ALICE, 10) in owner.failed
+    assert owner.fetch((ALICE, 9)) == f"value of {(ALICE, 9)}"  # a placeholder, as before
