@@ -359,7 +359,7 @@ class Group:
         with self.lock:
             if claim.get("kind") != "left":
                 raise self._false_notice(index, claim, 'only a leaver\'s own "left" is')
-            current = self.members.get(claim.get("name"))
+            current = self.members.get(str(claim.get("name")))
             if current is None or (current["rank"], current["incarnation"]) != (
                 claim.get("rank"),
                 claim.get("incarnation"),
