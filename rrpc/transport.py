@@ -63,11 +63,10 @@ METHOD = f"/{SERVICE}/Exchange"
 SERVER_HANDSHAKE_TIMEOUT = 10.0  # seconds a caller has to prove itself
 
 
-# The largest gRPC message a worker accepts, whatever its chunk_size below
-# this: rrpc cuts frames into packets of chunk_size (2 MiB by default), so a
-# bigger message is not rrpc's, and gRPC refuses it from its 5-byte header
-# (RESOURCE_EXHAUSTED), before it holds the bytes. A worker with a chunk_size
-# above it needs the same chunk_size on its peers.
+# The largest gRPC message a worker accepts, whatever its chunk_size below this:
+# rrpc cuts frames into packets of chunk_size (2 MiB by default), so a bigger
+# message is not rrpc's, and gRPC refuses it from its 5-byte header before it holds
+# the bytes. A worker with a chunk_size above it needs the same on its peers.
 MIN_PACKET_LIMIT = 64 << 20
 
 
@@ -395,9 +394,11 @@ class Server:
         metadata = dict(context.invocation_metadata())
         try:
             peer_rank = int(metadata.get("rrpc-rank", "-1"))
+            if not -1 <= peer_rank < 1 << 63:  # the auth proofs carry it as an int64
+                raise ValueError(peer_rank)
         except ValueError:
-            self._refuse(context, "refused:rank", "rrpc-rank is not a number")
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "rrpc-rank is not a number")
+            self._refuse(context, "refused:rank", "rrpc-rank is not a rank")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "rrpc-rank is not a rank")
         stream = StreamState()
         requests: Iterator[bytes] = request_iterator
         if self._token is not None:
@@ -445,8 +446,7 @@ class Server:
                 context.set_details(f"malformed frame: {error}")
             send(None)
 
-        # A caller that half-closed is no longer read from: if it then goes
-        # away with requests unanswered, only this ends the stream.
+        # A caller that half-closed is no longer read: if it goes away, only this ends it.
         context.add_callback(stream_over)
         self._outboxes.add(outbox)
         outbox.push(send, finish, f"rrpc-send-{self._rank}<-{peer_rank}", self._lend)

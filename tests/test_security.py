@@ -183,6 +183,10 @@ def _hostile_bytes(address, marker_dir):
         "recorded": [recorded_metadata, recorded_proof],
     }
 
+    for name, claimed in (("rank past int64", str(1 << 64)), ("rank not a number", "x")):
+        frames, error = _raw_exchange(address, [], [("rrpc-rank", claimed)], token=TOKEN)
+        seen[name] = {"error": error, "replies": len(frames)}
+
     authorized = {"metadata": rank, "token": TOKEN}
     malformed = {
         "absurd envelope size": struct.pack("<I", 0x7FFFFFF0) + b"\0" * 64,
@@ -376,6 +380,13 @@ def test_absurd_envelope_size_ends_that_stream_with_a_clear_error(world):
     assert seen["error"]["code"] == "INVALID_ARGUMENT"
     assert "malformed frame" in seen["error"]["details"]
     assert str(0x7FFFFFF0) in seen["error"]["details"]
+
+
+@pytest.mark.parametrize("name", ["rank past int64", "rank not a number"])
+def test_a_caller_naming_no_rank_is_refused_with_a_clear_error(world, name):
+    seen = world[0][name]
+    assert seen["replies"] == 0
+    assert seen["error"] == {"code": "INVALID_ARGUMENT", "details": "rrpc-rank is not a rank"}
 
 
 def test_unparseable_envelope_ends_that_stream_with_a_clear_error(world):
