@@ -59,7 +59,12 @@ def _functional_forms() -> dict[type, type]:
         from torch.distributed.optim.utils import functional_optim_map
     except ImportError:  # pragma: no cover - a torch without torch.distributed
         return {}
-    return dict(functional_optim_map)
+    # Adagrad's zips the parameters with only the gradients there are, strictly:
+    # a parameter without one in the context raised (torch runs it as TorchScript,
+    # whose zip stops at the shorter list). Its class form steps right.
+    from torch.optim import Adagrad
+
+    return {cls: form for cls, form in functional_optim_map.items() if cls is not Adagrad}
 
 
 class _LocalOptimizer:

@@ -217,6 +217,30 @@ def test_parameters_without_gradients_in_the_context_stay_unchanged(cluster, no_
     assert_each_close(distributed, expected)
 
 
+def _adagrad_with_a_parameter_without_gradient():
+    used = rrpc.remote("worker1", _param, args=((3, 3), 71))
+    unused = rrpc.remote("worker1", _param, args=((3, 3), 72))  # same owner, no gradient
+    optimizer = DistributedOptimizer(torch.optim.Adagrad, [used, unused], lr=0.1)
+    x = torch.ones(2, 3)
+    with rrpc.autograd.context() as context_id:
+        loss = rrpc.rpc_sync("worker1", _linear, args=(used, x)).sum()
+        rrpc.autograd.backward(context_id, [loss])
+        optimizer.step(context_id)
+    local = [_param((3, 3), 71), _param((3, 3), 72)]
+    reference = torch.optim.Adagrad(local, lr=0.1)
+    (x @ local[0]).sum().backward()
+    reference.step()
+    return [used.to_here().detach(), unused.to_here().detach()], [p.detach() for p in local]
+
+
+def test_adagrad_steps_an_owner_with_a_parameter_without_gradient_as_torch(
+    cluster, no_state_left_behind
+):
+    # Its functional form raised (zip() argument 2 is shorter than argument 1).
+    distributed, expected = cluster.run(_adagrad_with_a_parameter_without_gradient)
+    assert_each_close(distributed, expected)
+
+
 def _grad_attribute_untouched():
     w = rrpc.remote("worker1", _param, args=((3, 3), 61))
     optimizer = DistributedOptimizer(torch.optim.SGD, [w], lr=0.1)
