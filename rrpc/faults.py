@@ -71,7 +71,7 @@ from typing import Any
 
 import torch
 
-from rrpc import wire
+from rrpc import metrics, wire
 from rrpc.calls import CallTable
 from rrpc.futures import settle
 from rrpc.messages import (
@@ -250,6 +250,7 @@ class Injector:
             if attempt:
                 call = calls.settle(request_id)
                 if call is not None:
+                    metrics.ended(call.row, timed_out=False)  # as every call's other ends
                     error = InjectedFailure(
                         f"{what} to {peer.name} failed: its {MESSAGE_TYPES[name]} message "
                         f"({name}) was dropped on purpose (fault injection: send {attempt} of "

@@ -62,6 +62,8 @@ def _faulty_world(rank, world_size):
         rref = rrpc.remote("worker1", _record, ("c",))
         seen["remote"] = _outcome(rref.to_here)
         del rref
+        stats = rrpc.stats()["worker1"]
+        seen["in flight, errors"] = (stats["in_flight"], stats["errors"])
     elif rank == 2:
         seen["past its timeout"] = _outcome(
             rrpc.rpc_sync, "worker1", _record, ("late",), timeout=DELAY / 4
@@ -98,6 +100,12 @@ def test_a_dropped_call_fails_at_once_naming_the_message_and_the_attempt(world):
         assert "(PYTHON_CALL) was dropped on purpose" in seen["message"]
         assert f"send {attempt} of the num_fail_sends=2 that fail" in seen["message"]
         assert seen["elapsed"] < 10  # at once, not at the 60 s default timeout
+
+
+def test_a_dropped_call_counts_as_an_error_and_is_no_longer_in_flight(world):
+    # Four dropped (two sends of "a", the first of "b", the remote()'s): each
+    # ended, as a call that fails any other way (they stayed in flight, uncounted).
+    assert world[0]["in flight, errors"] == (0, 4)
 
 
 def test_the_same_message_goes_through_after_num_fail_sends_failures(world):
