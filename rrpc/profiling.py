@@ -146,6 +146,19 @@ class _Local(threading.local):
 local = _Local()
 
 
+def current_session() -> Session | None:
+    """This thread's innermost open session. A profile stopped on another
+    thread than the one that started it cannot unlink its session from that
+    one's: closed sessions are dropped here, as the thread next looks (else
+    each such profile's events stayed alive, chained to the next one's)."""
+    session = local.session
+    if session is not None and session.closed:
+        while session is not None and session.closed:
+            session = session.previous
+        local.session = session
+    return session
+
+
 def now_us() -> float:
     return time.time_ns() / 1000
 
@@ -202,7 +215,7 @@ class Profiling:
         func = request[2] if kind == RREF_CREATE else request[0]
         agent = self.agent
         key = f"rpc_{mode}#{event_name(func)}({agent.info.name} -> {peer.name})"
-        session = local.session
+        session = current_session()
         result = Future()
         if session is not None and session.callee:
             start = now_us()
@@ -256,7 +269,7 @@ class Profiling:
 
     @contextlib.contextmanager
     def _profiled_backward(self, context_id: int) -> Iterator[None]:
-        session = local.session
+        session = current_session()
         with autograd_profiler.record_function(BACKWARD_KEY):
             if session is not None and not session.callee:
                 self.graph_sessions[context_id] = session
@@ -385,7 +398,7 @@ class _Run:
             )  # fmt: skip
             torch.autograd._enable_profiler_legacy(config)
             self.profiling = True
-        self.session.previous, local.session = local.session, self.session
+        self.session.previous, local.session = current_session(), self.session
 
     def stop(self) -> None:
         local.session = self.session.previous

@@ -41,7 +41,15 @@ from torch.autograd import DeviceType
 from torch.autograd.profiler_util import MEMORY_EVENT_NAME, EventList, FunctionEvent
 
 from rrpc.agent import current_agent
-from rrpc.profiling import Event, ServerProfiles, Session, local, now_us, parse_legacy_records
+from rrpc.profiling import (
+    Event,
+    ServerProfiles,
+    Session,
+    current_session,
+    local,
+    now_us,
+    parse_legacy_records,
+)
 
 log = logging.getLogger("rrpc")
 
@@ -80,7 +88,7 @@ def _start_trace(original: Callable[..., Any], profile: Any) -> Any:
     config = (profile.record_shapes, profile.profile_memory, profile.with_stack)
     session = Session(config, callee=False)
     profile._rrpc_session = session
-    session.previous, local.session = local.session, session
+    session.previous, local.session = current_session(), session
     return result
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import threading
 
 import pytest
 import torch
@@ -183,6 +184,33 @@ def test_distributed_backward_shows_the_pass_of_the_send_record_it_caused(cluste
     assert len(sends) == 1  # worker1 sent the gradients of t1 and t2 back here
     assert backward[1] <= sends[0][1] and sends[0][2] <= backward[2]
     assert any("RecvRpcBackward" in e[0] for e in events)
+
+
+def _profiles_stopped_on_another_thread():
+    from rrpc import profiling
+
+    chains = []
+    for _ in range(5):
+        profile = torch.profiler.profile()
+        profile.start()  # started here ...
+        rrpc.rpc_sync("worker1", _ops)
+        stopper = threading.Thread(target=profile.stop)  # ... stopped there
+        stopper.start()
+        stopper.join()
+        assert any(_key("sync", "_ops", "worker1") in e.name for e in profile.events())
+        del profile
+        session, chain = profiling.local.session, 0
+        while session is not None:
+            chain, session = chain + 1, session.previous
+        chains.append(chain)
+    rrpc.rpc_sync("worker1", _ops)  # the thread's next call looks at its session
+    return chains, profiling.local.session is None
+
+
+def test_profiles_stopped_on_another_thread_keep_no_events_alive_here(cluster):
+    chains, none_left = cluster.run(_profiles_stopped_on_another_thread)
+    assert max(chains) <= 1  # the last one, dropped at the next look (was 1, 2, ... 5)
+    assert none_left
 
 
 @rrpc.functions.expose
