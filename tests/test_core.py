@@ -286,6 +286,22 @@ def test_a_callback_added_to_a_done_future_in_a_remote_function_runs_at_once_the
         assert seen == [thread, thread]
 
 
+def _negative_timeouts():
+    seen = []
+    for call in (rrpc.rpc_sync, rrpc.rpc_async):
+        try:
+            call("worker1", torch.add, args=(1, 2), timeout=-5)
+        except ValueError as exc:
+            seen.append(str(exc))
+    return seen
+
+
+def test_a_negative_timeout_other_than_the_default_is_refused_at_once(cluster):
+    # A known difference: torch fails the call as timed out (a RuntimeError).
+    seen = cluster.run(_negative_timeouts)
+    assert seen == ["timeout must be >= 0 (0: none) or -1 (default), got -5"] * 2
+
+
 def _fire_concurrently(count, targets):
     futures = [
         rrpc.rpc_async(
