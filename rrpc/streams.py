@@ -2,14 +2,14 @@
 
 Nothing here knows gRPC or sockets. A carrier (``transport.py``: a gRPC
 stream; a same-host lane) hands in the packets it receives as an iterator
-and sends what an ``Outbox`` yields (or writes its own way); the rest is here.
+and gives an ``Outbox`` its ``send`` (or writes its own way); the rest is here.
 
 Theory of operation:
 
 - **Sending** (``Outbox``): each direction of a stream is a byte stream of
-  frames cut into packets (``wire.packets``). Whoever sends (the carrier's
-  sender thread, or in a pushed outbox the thread that queued a frame while
-  no other was sending) takes everything queued at that moment and sends it
+  frames cut into packets (``wire.packets``). Whoever sends (the thread that
+  queued a frame while no other was sending, or the outbox's sender thread
+  for one that may not) takes everything queued at that moment and sends it
   as one packet, so small messages batch themselves under load and a large
   one flows in bounded chunks under the carrier's flow control. When many exchanges are
   open on the stream, the sender also lingers a fraction of a millisecond
@@ -313,8 +313,7 @@ class Outbox:
     """One direction of a stream: the frames waiting to go, and how many
     exchanges are open on it (requests without their reply yet).
 
-    A carrier takes the frames one of two ways. **Pulled**: its own sender
-    thread iterates ``packets()``. **Pushed** (``push``): the thread that
+    The carrier takes the frames through ``push``: the thread that
     queues a frame sends it itself through the carrier's ``send``, with
     every frame queued by others while it sends, and no thread is woken;
     only a thread that serves another stream (``thread_state.transport``,
@@ -446,17 +445,6 @@ class Outbox:
             if self._room_waiters and self.backlog <= REPLY_BACKLOG:
                 self._room.notify_all()
 
-    # -- pulled: the carrier's sender thread iterates the packets
-    def packets(self) -> Iterator[bytes]:
-        """Packets of the queued frames, until the stream ends."""
-        while True:
-            batch, end = self._take(block=True)
-            yield from self._cut(batch)
-            if isinstance(end, BaseException):
-                raise end
-            if end is _CLOSE:
-                return
-
     # -- pushed: the threads that queue frames send them
     def push(
         self,
@@ -483,6 +471,8 @@ class Outbox:
             if self._sending or self._finished:
                 return
             if thread_state.transport and thread_state.serving is not self.stream:
+                if self.queue.empty():
+                    return  # nothing to send (whoever queues next flushes)
                 self._wanted = True  # a thread that serves another stream: not here
                 if self._sender is None:
                     self._sender = threading.Thread(

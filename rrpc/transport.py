@@ -10,9 +10,9 @@ come back on its response side. The server side of that stream
 
 What does not depend on gRPC is elsewhere: batching into packets, admission
 of a peer's requests, the two readers taking turns and the one state of a
-stream in ``streams.py``; both ends of the auth handshake in ``auth.py``.
-This module is the gRPC carrier: channel and server options, the stream's
-threads, metadata, status codes and TLS credentials.
+stream in ``streams.py``; both ends of the auth handshake in ``auth.py``; the
+caller's end of a stream on gRPC's core API in ``grpc_call.py``. This module is
+the gRPC carrier: options, the stream's threads, metadata, status, TLS.
 
 Rules:
 - The stream's metadata carries the caller's rank. When the cluster has a
@@ -42,16 +42,14 @@ from typing import Any
 
 import grpc
 
-from rrpc import auth, bulk, bulk_open, logs, streams, turns, wire
+from rrpc import auth, bulk, bulk_open, grpc_call, logs, streams, turns, wire
 from rrpc.messages import AuthenticationError, PeerUnavailableError, mark_transport_thread
 from rrpc.scheduler import Handle, Scheduler
 from rrpc.streams import (
     AUTHENTICATE,
-    AUTHENTICATING,
     CLOSED,
     END,
     EXPIRE,
-    OPENING,
     PROVEN,
     START,
     Outbox,
@@ -160,8 +158,6 @@ class Connection:
             self._channel = grpc.insecure_channel(address, options=options)
         else:
             self._channel = grpc.secure_channel(address, credentials, options=options)
-        exchange = self._channel.stream_stream(METHOD)
-        requests = self._outbox.packets()
         self._handshake: auth.CallerHandshake | None = None
         self._timer: Handle | None = None
         if auth_token is not None:
@@ -169,12 +165,14 @@ class Connection:
                 auth.Token(auth_token), ranks, address, peer_name
             )
             metadata = [*metadata, (auth.NONCE_KEY, self._handshake.nonce.hex())]
-            requests = self._after_handshake(requests)
             self.stream.move(AUTHENTICATE)
         else:
             self.stream.move(START)
-        self._call = exchange(requests, metadata=metadata)
-        if self._handshake is not None:
+        self._call = grpc_call.Call(self._channel, METHOD, metadata)
+        self._sender_name = f"rrpc-send-{peer_name}"
+        if self._handshake is None:
+            self._push()
+        else:  # the requests wait for the peer's proof (``_authenticated``)
             self._timer = scheduler.call_later(peer_timeout, self._expire, peer_timeout)
         self._on_frame = on_frame if self._bulk is None else self._bulk.watching(on_frame)
         self._on_close = on_close
@@ -196,23 +194,27 @@ class Connection:
         self._bulk_broke = PeerUnavailableError(f"stream to {self.peer_name} broke: {error}")
         self._call.cancel()
 
-    def _after_handshake(self, packets: Iterator[bytes]) -> Iterator[bytes]:
-        """The request side with a token: nothing until the peer proved
-        itself, then our proof and the requests queued meanwhile."""
-        self.stream.wait_while(OPENING, AUTHENTICATING)
-        assert self._handshake is not None
-        proof = self._handshake.proof
-        if proof is None:
-            return  # the peer failed; the stream is being cancelled
-        yield proof
-        yield from packets
+    def _push(self) -> None:
+        """Requests go out from the threads that queue them (``streams.Outbox.push``)."""
+        self._outbox.push(self._call.send, self._sent_all, self._sender_name)
+
+    def _sent_all(self, error: BaseException | None) -> None:
+        """The request side ended: half-close the stream, or (an error) cancel it."""
+        if error is None:
+            self._call.close_sending()
+        else:
+            self._call.cancel(f"the request side failed: {error}")
 
     def _authenticated(self, packets: Iterator[bytes]) -> Iterator[bytes]:
-        """The response side once the peer proved itself (raises AuthenticationError)."""
+        """The response side once the peer proved itself (raises
+        AuthenticationError); our proof goes, then the requests queued meanwhile."""
         assert self._handshake is not None
         rest = self._handshake.check(next(packets, None))
         if not self.stream.move(PROVEN):  # the time was up first: it is being cancelled
             raise self.stream.error or PeerUnavailableError(f"stream to {self.peer_name} ended")
+        assert self._handshake.proof is not None
+        self._call.send(self._handshake.proof)
+        self._push()
         return itertools.chain((rest,), packets) if rest else packets
 
     def _expire(self, timeout: float) -> None:
@@ -225,20 +227,21 @@ class Connection:
         mark_transport_thread()
         error: BaseException | None = None
         try:
-            packets: Iterator[bytes] = self._call
+            packets: Iterator[bytes] = self._call.packets()
             if self._handshake is not None:
                 packets = self._authenticated(packets)
             streams.read_frames(packets, self._reader, self._on_frame, self._outbox)
         except AuthenticationError as exc:  # the peer did not prove itself
             error = exc
             self._call.cancel()
-        except grpc.RpcError as exc:
+        except grpc_call.StreamEnded as exc:
             # Closed already if the handshake timed out (and cancelled the call).
             error = self.stream.error or self._bulk_broke or _stream_error(exc, self.peer_name)
         except Exception as exc:  # a malformed frame from the peer
             error = PeerUnavailableError(f"stream from {self.peer_name} broke: {exc}")
             self._call.cancel()
         finally:
+            self._call.drain()  # what the stream still owes, once cancelled
             self._reader.close()
             if self._timer is not None:
                 self._timer.cancel()
@@ -283,16 +286,13 @@ def _end_for_bulk(context: grpc.ServicerContext, outbox: Outbox, error: BaseExce
     outbox.end()
 
 
-def _stream_error(exc: grpc.RpcError, peer_name: str) -> BaseException | None:
-    code = exc.code() if hasattr(exc, "code") else None
-    details = exc.details() if hasattr(exc, "details") else str(exc)
+def _stream_error(ended: grpc_call.StreamEnded, peer_name: str) -> BaseException:
+    code, details = ended.code(), ended.details()
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return AuthenticationError(f"{peer_name} rejected this worker: {details}")
     if code == grpc.StatusCode.CANCELLED:
         return PeerUnavailableError(f"stream to {peer_name} was cancelled")
-    return PeerUnavailableError(
-        f"{peer_name} is unreachable ({code.name if code else code}: {details})"
-    )
+    return PeerUnavailableError(f"{peer_name} is unreachable ({code.name}: {details})")
 
 
 class Server:

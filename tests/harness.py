@@ -657,3 +657,12 @@ class Cluster:
                 self.group.wait(timeout=30)
         finally:
             self.group.close()
+
+
+def pushed(outbox: Any) -> tuple[list[bytes], list]:
+    """From now on ``outbox`` (a ``streams.Outbox``) sends into lists: the
+    packets it sends, and its end (``finish``'s argument: None when clean)."""
+    packets: list[bytes] = []
+    ends: list = []
+    outbox.push(packets.append, ends.append)
+    return packets, ends

@@ -6,6 +6,7 @@ import threading
 
 import pytest
 
+from harness import pushed
 from rrpc import codec, streams, turns, wire
 from rrpc.messages import ProtocolError, mark_transport_thread, thread_state
 from rrpc.streams import (
@@ -118,7 +119,7 @@ def test_a_half_closed_stream_ends_after_its_last_reply():
     assert outbox.stream.state is HALF_CLOSED  # one request still unanswered
     outbox.put([b"reply2;"])
     assert outbox.stream.state is CLOSED
-    assert list(outbox.packets()) == [b"reply1;reply2;"]
+    assert pushed(outbox) == ([b"reply1;reply2;"], [None])
 
 
 def test_readers_of_a_caller_that_half_closed_answer_nothing_more_and_end():
@@ -134,7 +135,7 @@ def test_readers_of_a_caller_that_half_closed_answer_nothing_more_and_end():
     assert (seen, outbox.stream.state) == (["a"], HALF_CLOSED)
     outbox.put([b"answer;"])
     assert outbox.stream.state is CLOSED
-    assert list(outbox.packets()) == [b"answer;"]
+    assert pushed(outbox) == ([b"answer;"], [None])
 
 
 def test_readers_end_the_stream_with_the_error_of_a_malformed_frame():

@@ -11,6 +11,7 @@ import weakref
 import numpy as np
 import pytest
 
+from harness import pushed
 from rrpc import codec, options, streams, transport, turns, wire
 from rrpc._proto.rrpc_pb2 import Envelope
 from rrpc.messages import ProtocolError
@@ -22,33 +23,25 @@ def _frame(i: int) -> list[bytes]:
 
 
 def _outbox(open_exchanges: int, delay: float = 300e-6, min_open: int = 16):
-    """An outbox with ``open_exchanges`` requests sent and unanswered, nothing queued."""
+    """An outbox with ``open_exchanges`` requests sent and unanswered, nothing
+    queued, and the list it sends its packets into from now on."""
     outbox = streams.Outbox(packet_size=1 << 20, batch_delay=delay, batch_min_open=min_open)
     for i in range(open_exchanges):
         outbox.put(_frame(i))
-    list(_take(outbox, open_exchanges))
-    return outbox
-
-
-def _take(outbox, frames: int):
-    """Packets from the outbox until ``frames`` frames came out."""
-    seen = 0
-    packets = outbox.packets()
-    while seen < frames:
-        packet = next(packets)
-        seen += packet.count(b";")
-        yield packet
+    packets, _ = pushed(outbox)
+    packets.clear()
+    return outbox, packets
 
 
 def test_frames_queued_together_go_out_as_one_packet():
     outbox = streams.Outbox(packet_size=1 << 20)
     for i in range(5):
         outbox.put(_frame(i))
-    assert next(outbox.packets()) == b"".join(piece for i in range(5) for piece in _frame(i))
+    assert pushed(outbox)[0] == [b"".join(piece for i in range(5) for piece in _frame(i))]
 
 
 def test_under_load_the_sender_lingers_and_takes_what_arrived_meanwhile():
-    outbox = _outbox(open_exchanges=20)
+    outbox, packets = _outbox(open_exchanges=20)
     lingered = []
 
     def sleep(seconds):  # frames arriving while the sender lingers
@@ -58,23 +51,22 @@ def test_under_load_the_sender_lingers_and_takes_what_arrived_meanwhile():
 
     outbox.sleep = sleep
     outbox.put(_frame(100))
-    packet = next(outbox.packets())
     assert lingered == [300e-6]
-    assert packet.count(b";") == 8  # one gRPC message for all eight
+    assert len(packets) == 1 and packets[0].count(b";") == 8  # one gRPC message for all eight
 
 
 def test_a_lone_call_never_waits():
-    outbox = _outbox(open_exchanges=3)
+    outbox, packets = _outbox(open_exchanges=3)
     outbox.sleep = lambda seconds: pytest.fail("lingered with only a few calls open")
     outbox.put(_frame(0))
-    assert next(outbox.packets()) == _frame(0)[0]
+    assert packets == [_frame(0)[0]]
 
 
 def test_zero_delay_turns_lingering_off():
-    outbox = _outbox(open_exchanges=40, delay=0.0)
+    outbox, packets = _outbox(open_exchanges=40, delay=0.0)
     outbox.sleep = lambda seconds: pytest.fail("lingered with batch_delay=0")
     outbox.put(_frame(0))
-    assert next(outbox.packets()) == _frame(0)[0]
+    assert packets == [_frame(0)[0]]
 
 
 def test_open_exchanges_count_frames_sent_against_frames_received():
@@ -92,17 +84,16 @@ def test_end_sends_what_is_queued_then_stops():
     outbox.put(_frame(0))
     outbox.put(_frame(1))
     outbox.end()
-    assert list(outbox.packets()) == [_frame(0)[0] + _frame(1)[0]]
+    assert pushed(outbox) == ([_frame(0)[0] + _frame(1)[0]], [None])
 
 
 def test_end_with_an_error_sends_what_is_queued_then_raises_it():
     outbox = streams.Outbox(packet_size=1 << 20)
     outbox.put(_frame(0))
     outbox.end(ProtocolError("malformed"))
-    packets = outbox.packets()
-    assert next(packets) == _frame(0)[0]
-    with pytest.raises(ProtocolError, match="malformed"):
-        next(packets)
+    packets, ends = pushed(outbox)
+    assert packets == [_frame(0)[0]]
+    assert len(ends) == 1 and isinstance(ends[0], ProtocolError) and "malformed" in str(ends[0])
 
 
 def test_batch_delay_has_an_env_switch_and_a_sane_range(monkeypatch):
@@ -155,8 +146,8 @@ def test_the_requests_of_a_batched_packet_run_inline_one_after_another_in_order(
 def test_a_malformed_packet_ends_the_stream_with_its_error():
     seen, outbox = _turns([_packet("a"), b"\xff\xff\xff\x7fgarbage"], waiting_partner=True)
     assert seen == [("a", True)]
-    with pytest.raises(ProtocolError):
-        list(outbox.packets())
+    _, ends = pushed(outbox)
+    assert len(ends) == 1 and isinstance(ends[0], ProtocolError)
 
 
 def test_a_packet_of_many_frames_is_handed_out_in_order_without_keeping_any():

@@ -1,0 +1,112 @@
+"""The caller's end of a gRPC stream on grpcio's core API (``rrpc.grpc_call``),
+against a bare grpcio server in this process: order, ends, errors."""
+
+import os
+import threading
+from collections.abc import Iterator
+from concurrent import futures
+
+import grpc
+import pytest
+
+from rrpc import grpc_call
+
+METHOD = "/test.Echo/Exchange"
+
+
+class _Echo(grpc.GenericRpcHandler):
+    """Echoes every packet; a packet b"fail" ends the stream with INTERNAL."""
+
+    def service(self, details: grpc.HandlerCallDetails):
+        return grpc.stream_stream_rpc_method_handler(self._echo)
+
+    @staticmethod
+    def _echo(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+        for request in requests:
+            if request == b"fail":
+                context.abort(grpc.StatusCode.INTERNAL, "asked to fail")
+            yield request
+
+
+@pytest.fixture
+def channel():
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    server.add_generic_rpc_handlers((_Echo(),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    yield channel
+    channel.close()
+    server.stop(grace=None)
+
+
+def _read_all(call: grpc_call.Call, into: list) -> threading.Thread:
+    def read() -> None:
+        try:
+            into.extend(call.packets())
+        except grpc_call.StreamEnded as exc:
+            into.append(exc)
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.timeout(60)
+def test_packets_sent_while_others_wait_for_room_go_out_in_order(channel, monkeypatch):
+    # Room for one waiting packet: the sender waits for room at nearly every
+    # send, and a send in flight may complete while it waits.
+    monkeypatch.setattr(grpc_call, "WAITING_LIMIT", 64 << 10)
+    call = grpc_call.Call(channel, METHOD, [])
+    received: list = []
+    reader = _read_all(call, received)
+    sent = [os.urandom(64 << 10) for _ in range(300)]
+    for packet in sent:
+        call.send(packet)
+    call.close_sending()
+    reader.join(30)
+    assert not reader.is_alive()
+    assert len(received) == len(sent)
+    assert all(got == packet for got, packet in zip(received, sent, strict=True))
+
+
+@pytest.mark.timeout(60)
+def test_a_stream_ended_with_an_error_raises_its_status_and_refuses_more_sends(channel):
+    call = grpc_call.Call(channel, METHOD, [])
+    received: list = []
+    reader = _read_all(call, received)
+    call.send(b"one")
+    call.send(b"fail")
+    reader.join(30)
+    assert not reader.is_alive()
+    assert received[0] == b"one"
+    error = received[-1]
+    assert isinstance(error, grpc_call.StreamEnded)
+    assert error.code() is grpc.StatusCode.INTERNAL and error.details() == "asked to fail"
+    with pytest.raises(grpc_call.StreamEnded):
+        call.send(b"after")
+
+
+@pytest.mark.timeout(60)
+def test_a_cancelled_stream_is_drained_by_its_reader_and_ends(channel):
+    call = grpc_call.Call(channel, METHOD, [])
+    packets = call.packets()
+    call.send(b"x" * 100)
+    assert next(packets) == b"x" * 100  # the reader stops reading here
+    call.cancel("test")
+    done = threading.Thread(target=call.drain, daemon=True)
+    done.start()
+    done.join(30)
+    assert not done.is_alive()
+    with pytest.raises(grpc_call.StreamEnded):
+        call.send(b"after")
+
+
+@pytest.mark.timeout(60)
+def test_an_unreachable_server_ends_the_stream_unavailable():
+    with grpc.insecure_channel("127.0.0.1:1") as unreachable:
+        call = grpc_call.Call(unreachable, METHOD, [])
+        call.send(b"lost")
+        with pytest.raises(grpc_call.StreamEnded) as ended:
+            list(call.packets())
+    assert ended.value.code() is grpc.StatusCode.UNAVAILABLE
