@@ -10,9 +10,10 @@ module drives the same HTTP/2 stream through grpcio's core layer
 
 - **Sending.** ``send(packet)`` starts the send on the calling thread and
   returns: gRPC's core takes the bytes from there. A stream has one send in
-  flight at a time (gRPC's rule); a packet that comes while one is in flight
-  waits in ``_waiting``, and the reader thread starts it when the send before
-  it completes. So no thread is woken to send, and none waits for the
+  flight at a time (gRPC's rule); packets that come while one is in flight
+  wait in ``_waiting``, and the reader thread sends them, joined into one
+  message, when the send before completes: under load, frames batch
+  themselves. So no thread is woken to send, and none waits for the
   network: except one with ``WAITING_LIMIT`` bytes waiting already (a large
   message cut into packets), which waits for room, as on a socket.
 - **Receiving.** One reader thread takes the stream's events
@@ -63,9 +64,16 @@ class StreamEnded(Exception):
 
 class Call:
     """One bidirectional stream of ``method`` on ``channel`` (a ``grpc.Channel``
-    this object neither owns nor closes), opened with ``metadata``."""
+    this object neither owns nor closes), opened with ``metadata``; packets
+    that wait for a send in flight go on as messages of up to ``message_size``."""
 
-    def __init__(self, channel: grpc.Channel, method: str, metadata: list[tuple[str, str]]):
+    def __init__(
+        self,
+        channel: grpc.Channel,
+        method: str,
+        metadata: list[tuple[str, str]],
+        message_size: int = 2 << 20,
+    ):
         pairs = tuple(metadata)
         opening = (
             ((cygrpc.SendInitialMetadataOperation(pairs, 0),), _METADATA),
@@ -81,6 +89,7 @@ class Call:
         self._sending = False
         self._waiting: collections.deque[bytes] = collections.deque()
         self._waiting_bytes = 0
+        self._message_size = message_size
         self._closing = False
         self._over = False  # the status came: nothing more goes out
         self._call = channel._channel.segregated_call(
@@ -129,13 +138,28 @@ class Call:
             if self._over:
                 return
             if self._waiting:
-                packet = self._waiting.popleft()
-                self._waiting_bytes -= len(packet)
+                packet = self._next_message()
                 self._room.notify_all()
                 self._sending = self._operate((cygrpc.SendMessageOperation(packet, 0),), _SEND)
             elif self._closing:
                 self._closing = False
                 self._operate((cygrpc.SendCloseFromClientOperation(0),), _SEND)
+
+    def _next_message(self) -> bytes:
+        """The packets waiting, joined into one message of up to ``message_size``
+        bytes (the stream is a byte stream, whatever its cut): what queued up
+        while a send was in flight goes at once, as grpcio's sender batched it."""
+        waiting = self._waiting
+        message = waiting.popleft()
+        if waiting and len(message) + len(waiting[0]) <= self._message_size:
+            parts = [message]
+            size = len(message)
+            while waiting and size + len(waiting[0]) <= self._message_size:
+                size += len(waiting[0])
+                parts.append(waiting.popleft())
+            message = b"".join(parts)
+        self._waiting_bytes -= len(message)
+        return message
 
     def cancel(self, details: str = "cancelled") -> None:
         """End the stream now, from any thread (``packets()`` raises CANCELLED)."""

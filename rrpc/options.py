@@ -43,9 +43,10 @@ class RpcBackendOptions:
         shared_memory: same-host tensors through shared memory (env ``RRPC_SHM``).
         shm_threshold: smallest tensor in bytes that takes the shared-memory path
             (256 KiB: below it a lane's socket is as fast, above it slower).
-        batch_delay: seconds a stream's sender lingers to gather more frames
+        batch_delay: seconds a callee's sender lingers to gather more replies
             into one gRPC message, when at least ``batch_min_open`` calls are open
-            on the stream (env ``RRPC_BATCH_DELAY``; 0 turns lingering off).
+            on the stream (env ``RRPC_BATCH_DELAY``; 0 turns lingering off). A
+            caller's requests gather while the send before them is in flight.
         batch_min_open: the open calls on one stream from which it lingers.
         rref_delete_delay: seconds a worker gathers the deletes of dropped user
             RRefs, and the accepts of user RRefs passed to it as their owner,

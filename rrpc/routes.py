@@ -96,8 +96,6 @@ class Routes:
                     scheduler=self._agent.scheduler,
                     credentials=self._credentials,
                     attach=functools.partial(self._agent.attach_from, peer.id),
-                    batch_delay=self._options.batch_delay,
-                    batch_min_open=self._options.batch_min_open,
                     peer_timeout=self._options.peer_timeout,
                     auth_token=self._options.auth_token,
                     ranks=(self._agent.info.id, peer.id),

@@ -122,8 +122,6 @@ class Connection:
         scheduler: Scheduler,
         credentials: grpc.ChannelCredentials | None = None,
         attach: Callable[[Any], Any] | None = None,
-        batch_delay: float = 0.0,
-        batch_min_open: int = 0,
         peer_timeout: float = 8.0,
         auth_token: str | None = None,
         ranks: tuple[int, int] = (-1, -1),
@@ -152,7 +150,9 @@ class Connection:
                 sockets=bulk_sockets,
             )
             metadata = [*metadata, (bulk_open.KEY_METADATA, key.hex())]
-        self._outbox = Outbox(packet_size, batch_delay, batch_min_open, stream=self.stream)
+        # No lingering here (``batch_delay`` is the callee's): the calling
+        # threads send, and what queues while a send is in flight goes as one.
+        self._outbox = Outbox(packet_size, stream=self.stream)
         options = _options(peer_timeout, packet_size, server=False)
         if credentials is None:
             self._channel = grpc.insecure_channel(address, options=options)
@@ -168,7 +168,7 @@ class Connection:
             self.stream.move(AUTHENTICATE)
         else:
             self.stream.move(START)
-        self._call = grpc_call.Call(self._channel, METHOD, metadata)
+        self._call = grpc_call.Call(self._channel, METHOD, metadata, packet_size)
         self._sender_name = f"rrpc-send-{peer_name}"
         if self._handshake is None:
             self._push()
