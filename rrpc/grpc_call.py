@@ -62,27 +62,20 @@ class StreamEnded(Exception):
         return self._details
 
 
-class Call:
-    """One bidirectional stream of ``method`` on ``channel`` (a ``grpc.Channel``
-    this object neither owns nor closes), opened with ``metadata``; packets
-    that wait for a send in flight go on as messages of up to ``message_size``."""
+class Sending:
+    """The sending half of either end of a stream: one send in flight, the
+    packets waiting for it, the end that goes after them (``close``).
 
-    def __init__(
-        self,
-        channel: grpc.Channel,
-        method: str,
-        metadata: list[tuple[str, str]],
-        message_size: int = 2 << 20,
-    ):
-        pairs = tuple(metadata)
-        opening = (
-            ((cygrpc.SendInitialMetadataOperation(pairs, 0),), _METADATA),
-            ((cygrpc.ReceiveStatusOnClientOperation(0),), _STATUS),
-            ((cygrpc.ReceiveInitialMetadataOperation(0),), _METADATA),
-        )
-        # Under _lock: the send in flight, the packets waiting for it, whether
-        # the half-close waits behind them, and how many operations are
-        # started and not completed (gRPC frees the call with the last one:
+    A subclass starts operations (``_operate``, with ``_lock`` held; it counts
+    them in ``_due``) and calls ``_sent`` when a send completes; ``_closing``
+    is the end's operations. ``_stuck`` runs, with ``_lock`` held, when a
+    sender must wait for room: the completion it waits for must be taken
+    by some thread (the subclass's reader, or the sender itself)."""
+
+    def __init__(self, message_size: int):
+        # Under _lock: the send in flight, the packets waiting for it, the
+        # end that waits behind them, and how many operations are started
+        # and not completed (gRPC frees a caller's call with the last one:
         # nothing may poll it after that).
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)
@@ -90,23 +83,16 @@ class Call:
         self._waiting: collections.deque[bytes] = collections.deque()
         self._waiting_bytes = 0
         self._message_size = message_size
-        self._closing = False
-        self._over = False  # the status came: nothing more goes out
-        self._call = channel._channel.segregated_call(
-            0, method.encode(), None, None, pairs, None, opening, None
-        )
-        self._due = len(opening)
-        self._operate((cygrpc.ReceiveMessageOperation(0),), _RECEIVE)
-        self._events = self._packets()
+        self._closing: tuple | None = None
+        self._over = False  # the stream is over: nothing more goes out
+        self._due = 0
 
     def _operate(self, operations: tuple, tag: str) -> bool:
-        """Start ``operations`` (with _lock held, or before the reader runs)."""
-        if self._call.operate(operations, tag):
-            self._due += 1
-            return True
-        return False
+        raise NotImplementedError
 
-    # -- sending
+    def _stuck(self) -> None:
+        self._room.wait()
+
     def send(self, packet: bytes) -> None:
         """Send ``packet`` after those before it; returns once gRPC has it or
         it waits its turn (raises ``StreamEnded`` if the stream is over)."""
@@ -121,18 +107,18 @@ class Call:
                     self._waiting.append(packet)
                     self._waiting_bytes += len(packet)
                     return
-                self._room.wait()
+                self._stuck()
 
-    def close_sending(self) -> None:
-        """Half-close: no packet after those sent or waiting."""
+    def close(self, operations: tuple) -> None:
+        """End this side with ``operations``, after the packets sent or waiting."""
         with self._lock:
             if self._sending:
-                self._closing = True
+                self._closing = operations
             elif not self._over:
-                self._operate((cygrpc.SendCloseFromClientOperation(0),), _SEND)
+                self._operate(operations, _SEND)
 
     def _sent(self) -> None:
-        """A send completed (on the reader): start the next one, or the half-close."""
+        """A send completed: start the next one, or the end."""
         with self._lock:
             self._sending = False
             if self._over:
@@ -141,9 +127,9 @@ class Call:
                 packet = self._next_message()
                 self._room.notify_all()
                 self._sending = self._operate((cygrpc.SendMessageOperation(packet, 0),), _SEND)
-            elif self._closing:
-                self._closing = False
-                self._operate((cygrpc.SendCloseFromClientOperation(0),), _SEND)
+            elif self._closing is not None:
+                operations, self._closing = self._closing, None
+                self._operate(operations, _SEND)
 
     def _next_message(self) -> bytes:
         """The packets waiting, joined into one message of up to ``message_size``
@@ -160,6 +146,51 @@ class Call:
             message = b"".join(parts)
         self._waiting_bytes -= len(message)
         return message
+
+    def _end(self) -> None:
+        """The stream is over (with _lock held): what waits goes nowhere."""
+        self._over = True
+        self._waiting.clear()
+        self._waiting_bytes = 0
+        self._room.notify_all()
+
+
+class Call(Sending):
+    """One bidirectional stream of ``method`` on ``channel`` (a ``grpc.Channel``
+    this object neither owns nor closes), opened with ``metadata``; packets
+    that wait for a send in flight go on as messages of up to ``message_size``."""
+
+    def __init__(
+        self,
+        channel: grpc.Channel,
+        method: str,
+        metadata: list[tuple[str, str]],
+        message_size: int = 2 << 20,
+    ):
+        super().__init__(message_size)
+        pairs = tuple(metadata)
+        opening = (
+            ((cygrpc.SendInitialMetadataOperation(pairs, 0),), _METADATA),
+            ((cygrpc.ReceiveStatusOnClientOperation(0),), _STATUS),
+            ((cygrpc.ReceiveInitialMetadataOperation(0),), _METADATA),
+        )
+        self._call = channel._channel.segregated_call(
+            0, method.encode(), None, None, pairs, None, opening, None
+        )
+        self._due = len(opening)
+        self._operate((cygrpc.ReceiveMessageOperation(0),), _RECEIVE)
+        self._events = self._packets()
+
+    def _operate(self, operations: tuple, tag: str) -> bool:
+        """Start ``operations`` (with _lock held, or before the reader runs)."""
+        if self._call.operate(operations, tag):
+            self._due += 1
+            return True
+        return False
+
+    def close_sending(self) -> None:
+        """Half-close: no packet after those sent or waiting."""
+        self.close((cygrpc.SendCloseFromClientOperation(0),))
 
     def cancel(self, details: str = "cancelled") -> None:
         """End the stream now, from any thread (``packets()`` raises CANCELLED)."""
@@ -207,10 +238,7 @@ class Call:
                 )
                 status = (code, operation.details())
                 with self._lock:
-                    self._over = True
-                    self._waiting.clear()
-                    self._waiting_bytes = 0
-                    self._room.notify_all()
+                    self._end()
             if due == 0:
                 break
             del event

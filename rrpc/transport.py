@@ -37,12 +37,11 @@ import functools
 import itertools
 import threading
 from collections.abc import Callable, Iterator
-from concurrent import futures
 from typing import Any
 
 import grpc
 
-from rrpc import auth, bulk, bulk_open, grpc_call, logs, streams, turns, wire
+from rrpc import auth, bulk, bulk_open, grpc_call, grpc_serve, logs, streams, turns, wire
 from rrpc.messages import AuthenticationError, PeerUnavailableError, mark_transport_thread
 from rrpc.scheduler import Handle, Scheduler
 from rrpc.streams import (
@@ -272,17 +271,23 @@ class Connection:
         self._channel.close()
 
 
+def _abort(served: grpc_serve.Served, code: grpc.StatusCode, details: str) -> None:
+    """End a stream refused before its readers started."""
+    served.finish(code, details)
+    served.drain()
+
+
 def bracket(host: str) -> str:
     """``host`` as the host part of an address (an IPv6 one in brackets)."""
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-def _end_for_bulk(context: grpc.ServicerContext, outbox: Outbox, error: BaseException) -> None:
+def _end_for_bulk(served: grpc_serve.Served, outbox: Outbox, error: BaseException) -> None:
     """The callee's bulk socket broke: the stream ends with a status that says
     so (a cancel would tell the caller only "cancelled", and the caller's own
     end of the socket may see the break later than the status arrives)."""
-    context.set_code(grpc.StatusCode.UNAVAILABLE)
-    context.set_details(f"the bulk socket beside the stream broke: {error}")
+    broke = f"the bulk socket beside the stream broke: {error}"
+    served.status = (grpc.StatusCode.UNAVAILABLE, broke)
     outbox.end()
 
 
@@ -340,22 +345,18 @@ class Server:
         self._batching = (batch_delay, batch_min_open)
         self._outboxes: set[Outbox] = set()
         self.admission = streams.Admission(streams.PEER_IN_FLIGHT)
-        # An executor thread sets each incoming stream up (``_exchange``), then is free.
-        self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=4096, thread_name_prefix="rrpc-stream"),
-            options=_options(peer_timeout, packet_size, server=True),
-        )
-        exchange = functools.partial(self._exchange)
-        exchange.experimental_non_blocking = True  # type: ignore[attr-defined]
-        handler = grpc.stream_stream_rpc_method_handler(exchange)
-        self._server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler(SERVICE, {"Exchange": handler}),)
-        )
         target = f"{host}:{port}"
-        if credentials is None:
-            self.port = self._server.add_insecure_port(target)
-        else:
-            self.port = self._server.add_secure_port(target, credentials)
+        # A thread of its own sets each incoming stream up (``_exchange``).
+        self._server = grpc_serve.Listener(
+            target,
+            METHOD,
+            _options(peer_timeout, packet_size, server=True),
+            credentials,
+            self._exchange,
+            packet_size,
+            str(rank),
+        )
+        self.port = self._server.port
         if not self.port:
             raise OSError(f"cannot listen on {target}")
         # What peers dial, and what the auth proofs cover.
@@ -378,52 +379,43 @@ class Server:
             found = self._bulk_streams.get(key)
         return found[1] if found is not None and found[0] == rank else None
 
-    def _exchange(
-        self,
-        request_iterator: Iterator[bytes],
-        context: grpc.ServicerContext,
-        send: Callable[[bytes | None], Any],
-    ) -> None:
-        """Serve one caller's stream. gRPC calls it with ``send`` (its
-        ``experimental_non_blocking`` form): ``send(packet)`` writes a packet
-        from any thread, one at a time, and returns once gRPC took it;
-        ``send(None)`` ends the stream with its status. So a reply goes out
-        from the thread that made it (``streams.Outbox.push``), not through a
-        thread woken to yield it. It returns once the stream is set up; its
-        reader threads serve it from then on."""
-        metadata = dict(context.invocation_metadata())
+    def _exchange(self, served: grpc_serve.Served) -> None:
+        """Serve one caller's stream: the handshake (with a token), then its
+        two readers, which take the stream's events from then on (``grpc_serve``).
+        A reply goes out from the thread that made it (``streams.Outbox.push``)."""
+        metadata = served.metadata
         try:
             peer_rank = int(metadata.get("rrpc-rank", "-1"))
             if not -1 <= peer_rank < 1 << 63:  # the auth proofs carry it as an int64
                 raise ValueError(peer_rank)
         except ValueError:
-            self._refuse(context, "refused:rank", "rrpc-rank is not a rank")
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "rrpc-rank is not a rank")
+            self._refuse(served, "refused:rank", "rrpc-rank is not a rank")
+            _abort(served, grpc.StatusCode.INVALID_ARGUMENT, "rrpc-rank is not a rank")
+            return
         stream = StreamState()
-        requests: Iterator[bytes] = request_iterator
+        requests: Iterator[bytes] = served.packets()
         if self._token is not None:
             stream.move(AUTHENTICATE)
-            checked = self._authenticate(
-                request_iterator, context, metadata, peer_rank, stream, send
-            )
+            checked = self._authenticate(served, peer_rank, stream)
             if checked is None:
                 stream.move(END)
-                send(None)
-                return  # the caller went away before it proved itself
+                return  # refused, or the caller went away before it proved itself
             requests = checked
         elif auth.NONCE_KEY in metadata:
             self._refuse(
-                context, "refused:no-token", "it requires an auth token, this worker has none"
+                served, "refused:no-token", "it requires an auth token, this worker has none"
             )
-            context.abort(
+            _abort(
+                served,
                 grpc.StatusCode.UNAUTHENTICATED,
                 "the callee has no auth token, and the caller requires one",
             )
+            return
         else:
             stream.move(START)
         outbox = Outbox(self._packet_size, *self._batching, track_backlog=True, stream=stream)
         in_flight = self.admission.of(peer_rank)
-        channel, key = self._bulk_channel(metadata, peer_rank, context, outbox)
+        channel, key = self._bulk_channel(metadata, peer_rank, served, outbox)
 
         def stream_over() -> None:
             stream.move(END)
@@ -440,16 +432,15 @@ class Server:
             self._outboxes.discard(outbox)
             if error is not None:
                 self._refuse(
-                    context, f"bad-frame:{type(error).__name__}", f"malformed frame: {error}"
+                    served, f"bad-frame:{type(error).__name__}", f"malformed frame: {error}"
                 )
-                context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
-                context.set_details(f"malformed frame: {error}")
-            send(None)
+                served.status = (grpc.StatusCode.INVALID_ARGUMENT, f"malformed frame: {error}")
+            served.finish(*served.status)
 
         # A caller that half-closed is no longer read: if it goes away, only this ends it.
-        context.add_callback(stream_over)
+        served.on_over(stream_over)
         self._outboxes.add(outbox)
-        outbox.push(send, finish, f"rrpc-send-{self._rank}<-{peer_rank}", self._lend)
+        outbox.push(served.send, finish, f"rrpc-send-{self._rank}<-{peer_rank}", self._lend)
         attach = functools.partial(self._attach, peer_rank) if self._attach else None
         reader = wire.FrameReader(
             self._max_message_size, attach, channel.claim if channel is not None else None
@@ -486,7 +477,7 @@ class Server:
         self,
         metadata: dict[str, Any],
         peer_rank: int,
-        context: grpc.ServicerContext,
+        served: grpc_serve.Served,
         outbox: Outbox,
     ) -> tuple[bulk.Channel | None, bytes]:
         """The bulk end of a stream whose caller may dial one (its key in the
@@ -504,7 +495,7 @@ class Server:
             f"rrpc-bulk-{{}}-{self._rank}<-{peer_rank}",
             self._max_message_size,
             self._peer_timeout,
-            on_broken=functools.partial(_end_for_bulk, context, outbox),
+            on_broken=functools.partial(_end_for_bulk, served, outbox),
             backlog=outbox,
         )
         with self._bulk_changed:
@@ -513,30 +504,30 @@ class Server:
         return channel, key
 
     def _authenticate(
-        self,
-        requests: Iterator[bytes],
-        context: grpc.ServicerContext,
-        metadata: dict[str, Any],
-        peer_rank: int,
-        stream: StreamState,
-        send: Callable[[bytes], Any],
+        self, served: grpc_serve.Served, peer_rank: int, stream: StreamState
     ) -> Iterator[bytes] | None:
         """The callee's side of the handshake (``auth.py``): sends this
         worker's handshake packet, returns the requests once the caller proved
-        itself, None if it went away first (aborts the stream if it fails,
+        itself; None if it went away first or failed (the stream then ends,
         before any frame is read)."""
         assert self._token is not None
         try:
             handshake = auth.CalleeHandshake(
-                self._token, peer_rank, self._rank, self.address, metadata.get(auth.NONCE_KEY, "")
+                self._token,
+                peer_rank,
+                self._rank,
+                self.address,
+                served.metadata.get(auth.NONCE_KEY, ""),
             )
         except auth.Refused as refused:
-            self._refuse(context, refused.kind, str(refused))
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, auth.REFUSED)
-        send(handshake.frame)
+            self._refuse(served, refused.kind, str(refused))
+            _abort(served, grpc.StatusCode.UNAUTHENTICATED, auth.REFUSED)
+            return None
+        requests = served.packets()
+        served.send(handshake.frame)
         # A caller that never answers holds this thread no longer than this.
         timeout = SERVER_HANDSHAKE_TIMEOUT
-        timer = self._scheduler.call_later(timeout, self._expire, stream, context, timeout)
+        timer = self._scheduler.call_later(timeout, self._expire, stream, served, timeout)
         try:
             first = next(requests)
         except Exception:  # the caller went away (or the timer cancelled the stream)
@@ -546,29 +537,31 @@ class Server:
         try:
             rest = handshake.check(first)
         except auth.Refused as refused:
-            self._refuse(context, refused.kind, str(refused))
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, auth.REFUSED)
+            self._refuse(served, refused.kind, str(refused))
+            _abort(served, grpc.StatusCode.UNAUTHENTICATED, auth.REFUSED)
+            return None
         del first
-        if not stream.move(PROVEN):
-            return None  # the time was up first: the timer cancelled the stream
+        if not stream.move(PROVEN):  # the time was up first: the timer cancelled the stream
+            served.drain()
+            return None
         return itertools.chain((rest,), requests) if rest else requests
 
-    def _expire(self, stream: StreamState, context: grpc.ServicerContext, timeout: float) -> None:
+    def _expire(self, stream: StreamState, served: grpc_serve.Served, timeout: float) -> None:
         """On the scheduler's thread: a caller did not prove itself in time."""
         if stream.move(EXPIRE):
             # Logged before the cancel, which the caller sees at once.
-            self._refuse(context, "refused:timeout", f"no auth handshake within {timeout:g} s")
-            context.cancel()
+            self._refuse(served, "refused:timeout", f"no auth handshake within {timeout:g} s")
+            served.cancel()
 
-    def _refuse(self, context: grpc.ServicerContext, kind: str, reason: str) -> None:
+    def _refuse(self, served: grpc_serve.Served, kind: str, reason: str) -> None:
         """Log a stream this worker refused or ended (``logs.event``: one line
         per kind of event and peer host per interval, never one per stream;
         ``kind`` tells reasons apart, so a flood of one hides no other)."""
-        peer = context.peer()  # e.g. "ipv4:127.0.0.1:54321"
+        peer = served.peer()  # e.g. "ipv4:127.0.0.1:54321"
         host = peer.rsplit(":", 1)[0]  # each stream comes from a new port
         logs.event(
             kind, host, "%s: stream from %s (claims rank %s) ended: %s",
-            self.address, peer, dict(context.invocation_metadata()).get("rrpc-rank", "?"), reason,
+            self.address, peer, served.metadata.get("rrpc-rank", "?"), reason,
         )  # fmt: skip
 
     def stop(self, grace: float | None = 1.0) -> None:
@@ -577,7 +570,7 @@ class Server:
         for outbox in list(self._outboxes):
             outbox.stream.move(END)
             outbox.end()
-        self._server.stop(grace).wait(grace)
+        self._server.stop(grace)
 
 
 def tls_credentials(

@@ -202,7 +202,7 @@ def test_the_table_reads_as_patterns():
     assert patterns["rrpc-<name>-<i>"].fullmatch("rrpc-worker1-12")
     assert not patterns["rrpc-<name>-<i>"].fullmatch("rrpc-lane-7")
     assert patterns["rrpc-lane-send-<rank><-<caller rank>"].fullmatch("rrpc-lane-send-0<-2")
-    assert patterns["Thread-<n> (_serve)"].fullmatch("Thread-4 (_serve)")
+    assert patterns["rrpc-stream_<n>"].fullmatch("rrpc-stream_4")
     assert patterns["rrpc-send-<peer>"].fullmatch("rrpc-send-worker1")
     assert patterns["rrpc-scheduler"].fullmatch("rrpc-scheduler")
 

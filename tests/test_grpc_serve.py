@@ -1,0 +1,113 @@
+"""The callee's end of gRPC streams on grpcio's core API (``rrpc.grpc_serve``),
+against the caller's end (``rrpc.grpc_call``) in this process: who polls,
+the ends, and a method that is not served."""
+
+import queue
+import threading
+
+import grpc
+import pytest
+
+from rrpc import grpc_call, grpc_serve
+
+METHOD = "/test.Echo/Exchange"
+
+
+@pytest.fixture
+def served_streams():
+    """A listener whose streams land on a queue, and a channel to it."""
+    streams: queue.SimpleQueue = queue.SimpleQueue()
+    listener = grpc_serve.Listener("127.0.0.1:0", METHOD, [], None, streams.put, 1 << 20, "test")
+    listener.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{listener.port}")
+    yield channel, streams
+    channel.close()
+    listener.stop(grace=None)
+
+
+def _reader(call: grpc_call.Call, into: queue.SimpleQueue) -> threading.Thread:
+    def read() -> None:
+        try:
+            for packet in call.packets():
+                into.put(packet)
+            into.put("ended")
+        except grpc_call.StreamEnded as exc:
+            into.put(exc)
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.timeout(60)
+def test_replies_sent_while_no_reader_polls_still_go_out(served_streams):
+    """A reply's send completes only as someone takes the stream's events:
+    with its readers busy elsewhere, the sending thread does."""
+    channel, streams = served_streams
+    call = grpc_call.Call(channel, METHOD, [("k", "v")])
+    replies: queue.SimpleQueue = queue.SimpleQueue()
+    _reader(call, replies)
+    call.send(b"hello")
+    served = streams.get(timeout=10)
+    assert served.metadata["k"] == "v"
+    assert next(served.packets()) == b"hello"
+    # Nobody reads the stream now (its reader "runs a request"): ten replies
+    # in a row, each but the first waiting for the send before it.
+    for i in range(10):
+        served.send(b"reply%d;" % i)
+    got = b""
+    while got.count(b";") < 10:
+        got += replies.get(timeout=10)
+    assert got == b"".join(b"reply%d;" % i for i in range(10))
+
+
+@pytest.mark.timeout(60)
+def test_a_half_closed_stream_ends_its_packets_and_its_status_reaches_the_caller(
+    served_streams,
+):
+    channel, streams = served_streams
+    call = grpc_call.Call(channel, METHOD, [])
+    replies: queue.SimpleQueue = queue.SimpleQueue()
+    reader = _reader(call, replies)
+    over = threading.Event()
+    call.send(b"only")
+    call.close_sending()
+    served = streams.get(timeout=10)
+    served.on_over(over.set)
+    assert list(served.packets()) == [b"only"]  # then the caller half-closed
+    served.send(b"answer")
+    served.finish(grpc.StatusCode.DATA_LOSS, "as the test says")
+    assert replies.get(timeout=10) == b"answer"
+    ended = replies.get(timeout=10)
+    assert isinstance(ended, grpc_call.StreamEnded)
+    assert ended.code() is grpc.StatusCode.DATA_LOSS and ended.details() == "as the test says"
+    reader.join(10)
+    assert over.wait(10)  # the drain thread saw the stream's end
+
+
+@pytest.mark.timeout(60)
+def test_a_caller_that_cancels_breaks_the_callees_packets(served_streams):
+    channel, streams = served_streams
+    call = grpc_call.Call(channel, METHOD, [])
+    _reader(call, queue.SimpleQueue())
+    call.send(b"first")
+    served = streams.get(timeout=10)
+    packets = served.packets()
+    assert next(packets) == b"first"
+    call.cancel("going away")
+    with pytest.raises(grpc_call.StreamEnded):
+        next(packets)
+    with pytest.raises(grpc_call.StreamEnded):
+        served.send(b"too late")
+
+
+@pytest.mark.timeout(60)
+def test_a_method_not_served_is_refused_unimplemented(served_streams):
+    channel, streams = served_streams
+    call = grpc_call.Call(channel, "/test.Echo/Other", [])
+    replies: queue.SimpleQueue = queue.SimpleQueue()
+    _reader(call, replies)
+    ended = replies.get(timeout=10)
+    assert isinstance(ended, grpc_call.StreamEnded)
+    assert ended.code() is grpc.StatusCode.UNIMPLEMENTED
+    assert streams.empty()
