@@ -52,6 +52,7 @@ import atexit
 import faulthandler
 import multiprocessing
 import os
+import queue
 import shutil
 import signal
 import socket
@@ -666,3 +667,23 @@ def pushed(outbox: Any) -> tuple[list[bytes], list]:
     ends: list = []
     outbox.push(packets.append, ends.append)
     return packets, ends
+
+
+def read_stream(call: Any) -> tuple[queue.SimpleQueue, threading.Thread]:
+    """Read a ``grpc_call.Call``'s packets on a thread of their own, into a
+    queue: each packet, then "ended" or the ``StreamEnded`` it raised."""
+    from rrpc import grpc_call
+
+    packets: queue.SimpleQueue = queue.SimpleQueue()
+
+    def read() -> None:
+        try:
+            for packet in call.packets():
+                packets.put(packet)
+            packets.put("ended")
+        except grpc_call.StreamEnded as exc:
+            packets.put(exc)
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return packets, thread

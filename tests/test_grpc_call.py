@@ -9,6 +9,7 @@ from concurrent import futures
 import grpc
 import pytest
 
+from harness import read_stream
 from rrpc import grpc_call
 
 METHOD = "/test.Echo/Exchange"
@@ -40,32 +41,21 @@ def channel():
     server.stop(grace=None)
 
 
-def _read_all(call: grpc_call.Call, into: list) -> threading.Thread:
-    def read() -> None:
-        try:
-            into.extend(call.packets())
-        except grpc_call.StreamEnded as exc:
-            into.append(exc)
-
-    thread = threading.Thread(target=read, daemon=True)
-    thread.start()
-    return thread
-
-
 @pytest.mark.timeout(60)
 def test_packets_sent_while_others_wait_for_room_go_out_in_order(channel, monkeypatch):
     # Room for one waiting packet: the sender waits for room at nearly every
     # send, and a send in flight may complete while it waits.
     monkeypatch.setattr(grpc_call, "WAITING_LIMIT", 64 << 10)
     call = grpc_call.Call(channel, METHOD, [])
-    received: list = []
-    reader = _read_all(call, received)
+    packets, reader = read_stream(call)
     sent = [os.urandom(64 << 10) for _ in range(300)]
     for packet in sent:
         call.send(packet)
     call.close_sending()
     reader.join(30)
     assert not reader.is_alive()
+    received = [packets.get() for _ in range(packets.qsize())]
+    assert received.pop() == "ended"
     assert len(received) == len(sent)
     assert all(got == packet for got, packet in zip(received, sent, strict=True))
 
@@ -73,14 +63,13 @@ def test_packets_sent_while_others_wait_for_room_go_out_in_order(channel, monkey
 @pytest.mark.timeout(60)
 def test_a_stream_ended_with_an_error_raises_its_status_and_refuses_more_sends(channel):
     call = grpc_call.Call(channel, METHOD, [])
-    received: list = []
-    reader = _read_all(call, received)
+    packets, reader = read_stream(call)
     call.send(b"one")
     call.send(b"fail")
     reader.join(30)
     assert not reader.is_alive()
-    assert received[0] == b"one"
-    error = received[-1]
+    assert packets.get() == b"one"
+    error = packets.get()
     assert isinstance(error, grpc_call.StreamEnded)
     assert error.code() is grpc.StatusCode.INTERNAL and error.details() == "asked to fail"
     with pytest.raises(grpc_call.StreamEnded):

@@ -8,6 +8,7 @@ import threading
 import grpc
 import pytest
 
+from harness import read_stream
 from rrpc import grpc_call, grpc_serve
 
 METHOD = "/test.Echo/Exchange"
@@ -25,28 +26,13 @@ def served_streams():
     listener.stop(grace=None)
 
 
-def _reader(call: grpc_call.Call, into: queue.SimpleQueue) -> threading.Thread:
-    def read() -> None:
-        try:
-            for packet in call.packets():
-                into.put(packet)
-            into.put("ended")
-        except grpc_call.StreamEnded as exc:
-            into.put(exc)
-
-    thread = threading.Thread(target=read, daemon=True)
-    thread.start()
-    return thread
-
-
 @pytest.mark.timeout(60)
 def test_replies_sent_while_no_reader_polls_still_go_out(served_streams):
     """A reply's send completes only as someone takes the stream's events:
     with its readers busy elsewhere, the sending thread does."""
     channel, streams = served_streams
     call = grpc_call.Call(channel, METHOD, [("k", "v")])
-    replies: queue.SimpleQueue = queue.SimpleQueue()
-    _reader(call, replies)
+    replies, _ = read_stream(call)
     call.send(b"hello")
     served = streams.get(timeout=10)
     assert served.metadata["k"] == "v"
@@ -67,8 +53,7 @@ def test_a_half_closed_stream_ends_its_packets_and_its_status_reaches_the_caller
 ):
     channel, streams = served_streams
     call = grpc_call.Call(channel, METHOD, [])
-    replies: queue.SimpleQueue = queue.SimpleQueue()
-    reader = _reader(call, replies)
+    replies, reader = read_stream(call)
     over = threading.Event()
     call.send(b"only")
     call.close_sending()
@@ -89,7 +74,7 @@ def test_a_half_closed_stream_ends_its_packets_and_its_status_reaches_the_caller
 def test_a_caller_that_cancels_breaks_the_callees_packets(served_streams):
     channel, streams = served_streams
     call = grpc_call.Call(channel, METHOD, [])
-    _reader(call, queue.SimpleQueue())
+    read_stream(call)
     call.send(b"first")
     served = streams.get(timeout=10)
     packets = served.packets()
@@ -105,8 +90,7 @@ def test_a_caller_that_cancels_breaks_the_callees_packets(served_streams):
 def test_a_method_not_served_is_refused_unimplemented(served_streams):
     channel, streams = served_streams
     call = grpc_call.Call(channel, "/test.Echo/Other", [])
-    replies: queue.SimpleQueue = queue.SimpleQueue()
-    _reader(call, replies)
+    replies, _ = read_stream(call)
     ended = replies.get(timeout=10)
     assert isinstance(ended, grpc_call.StreamEnded)
     assert ended.code() is grpc.StatusCode.UNIMPLEMENTED
