@@ -504,7 +504,7 @@ class Outbox:
         while True:
             if not lent and self.backlog >= LEND_AT and self._lend is not None:
                 return self._lend(self._send_queued, True)
-            batch, end = self._take(block=False)
+            batch, end = self._take()
             try:
                 for packet in self._cut(batch):
                     self._send(packet)  # type: ignore[misc]
@@ -521,12 +521,11 @@ class Outbox:
                 self._finish(end if isinstance(end, BaseException) else None)
             return
 
-    # -- both
-    def _take(self, block: bool) -> tuple[list[list[Any]], Any]:
-        """The frames queued now (waiting for the first one if ``block``),
-        lingering under load for more, and the end marker met (None: none)."""
+    def _take(self) -> tuple[list[list[Any]], Any]:
+        """The frames queued now, lingering under load for more, and the end
+        marker met (None: none)."""
         batch: list[list[Any]] = []
-        end = self._drain(batch, block)
+        end = self._drain(batch)
         if (
             batch
             and end is None
@@ -534,7 +533,7 @@ class Outbox:
             and self.open_exchanges() >= self.batch_min_open
         ):
             self.sleep(self.batch_delay)  # asleep, not waiting: puts wake nobody
-            end = self._drain(batch, block=False)
+            end = self._drain(batch)
         return batch, end
 
     def _cut(self, batch: list[list[Any]]) -> Iterator[bytes]:
@@ -550,17 +549,15 @@ class Outbox:
             yield packet
             self._sent_bytes(len(packet))
 
-    def _drain(self, batch: list, block: bool) -> Any:
-        """Move queued frames into ``batch`` (waiting for the first one if
-        ``block``) up to an end marker, which it returns (None: no end yet).
-        Only the thread sending takes from the queue: what it finds there stays."""
-        blocking = block and not batch
-        while blocking or not self.queue.empty():
-            item = self.queue.get() if blocking else self.queue.get_nowait()
+    def _drain(self, batch: list) -> Any:
+        """Move queued frames into ``batch`` up to an end marker, which it
+        returns (None: no end yet). Only the thread sending takes from the
+        queue: what it finds there stays."""
+        while not self.queue.empty():
+            item = self.queue.get_nowait()
             if item is _CLOSE or isinstance(item, BaseException):
                 return item
             batch.append(item)
-            blocking = False
         return None
 
 
