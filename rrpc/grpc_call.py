@@ -18,9 +18,11 @@ module drives the same HTTP/2 stream through grpcio's core layer
   message cut into packets), which waits for room, as on a socket.
 - **Receiving.** One reader thread takes the stream's events
   (``packets()``): each packet that arrives, each send that completes, the
-  status the stream ends with. The next packet is asked for only once the
-  last one was handled, so gRPC's flow control holds a peer that sends
-  faster than this end reads.
+  status the stream ends with. The next packet is asked for as one is
+  taken, before it is handled (so that a caller woken by its reply does not
+  meet the reader starting that receive), and no sooner: gRPC's flow
+  control still holds a peer that sends faster than this end reads, one
+  packet ahead.
 - **Ending.** ``close_sending()`` half-closes the stream after what waits;
   ``cancel()`` ends it at once. ``packets()`` ends when the callee ended the
   stream with OK and raises ``StreamEnded`` (its code and details) when it
@@ -120,16 +122,19 @@ class Sending:
     def _sent(self) -> None:
         """A send completed: start the next one, or the end."""
         with self._lock:
-            self._sending = False
-            if self._over:
-                return
-            if self._waiting:
-                packet = self._next_message()
-                self._room.notify_all()
-                self._sending = self._operate((cygrpc.SendMessageOperation(packet, 0),), _SEND)
-            elif self._closing is not None:
-                operations, self._closing = self._closing, None
-                self._operate(operations, _SEND)
+            self._sent_locked()
+
+    def _sent_locked(self) -> None:
+        self._sending = False
+        if self._over:
+            return
+        if self._waiting:
+            packet = self._next_message()
+            self._room.notify_all()
+            self._sending = self._operate((cygrpc.SendMessageOperation(packet, 0),), _SEND)
+        elif self._closing is not None:
+            operations, self._closing = self._closing, None
+            self._operate(operations, _SEND)
 
     def _next_message(self) -> bytes:
         """The packets waiting, joined into one message of up to ``message_size``
@@ -214,31 +219,44 @@ class Call(Sending):
 
     def _packets(self) -> Iterator[bytes]:
         status: tuple[grpc.StatusCode, str] | None = None
+        lock = self._lock
         while True:
             event = self._call.next_event()
-            with self._lock:
-                self._due -= 1
-                due = self._due
             tag = event.tag
             if tag is _RECEIVE:
                 packet = event.batch_operations[0].message() if event.success else None
-                if packet is not None:  # None: the callee sends no more
+                with lock:
+                    self._due -= 1
+                    # The next packet is asked for now, to come while this one
+                    # is handled (one ahead: gRPC's flow control still holds a
+                    # callee that sends faster than this end reads). None:
+                    # the callee sends no more.
+                    asked = packet is not None and not self._over
+                    if asked:
+                        self._operate((cygrpc.ReceiveMessageOperation(0),), _RECEIVE)
+                    due = self._due
+                if packet is not None:
                     yield packet
                     del packet
-                    with self._lock:  # the next one, now that this one is handled
-                        if not self._over:
-                            self._operate((cygrpc.ReceiveMessageOperation(0),), _RECEIVE)
-                        due = self._due
+                    if not asked:  # the stream is over: what else is due?
+                        with lock:
+                            due = self._due
             elif tag is _SEND:
-                self._sent()
-            elif tag is _STATUS:
-                operation = event.batch_operations[0]
-                code = grpc_common.CYGRPC_STATUS_CODE_TO_STATUS_CODE.get(
-                    operation.code(), grpc.StatusCode.UNKNOWN
-                )
-                status = (code, operation.details())
-                with self._lock:
-                    self._end()
+                with lock:
+                    self._due -= 1
+                    self._sent_locked()
+                    due = self._due
+            else:
+                with lock:
+                    self._due -= 1
+                    if tag is _STATUS:
+                        operation = event.batch_operations[0]
+                        code = grpc_common.CYGRPC_STATUS_CODE_TO_STATUS_CODE.get(
+                            operation.code(), grpc.StatusCode.UNKNOWN
+                        )
+                        status = (code, operation.details())
+                        self._end()
+                    due = self._due
             if due == 0:
                 break
             del event
