@@ -8,9 +8,9 @@ Theory of operation:
   future, peer, deadline, carrier) and writes the frame on the carrier to
   ``peer`` (``routes.Routes``): its same-host lane when it has one
   (``lane.py``), else the one gRPC stream this worker keeps to it
-  (``transport.py``). On a lane, ``rpc_sync``'s caller reads its own reply
-  while nobody else reads the lane (``SyncReply.lead``); otherwise the
-  carrier's reader completes the future (``on_reply``).
+  (``transport.py``). ``rpc_sync``'s caller reads its own reply while nobody
+  else reads the carrier (``SyncReply.lead``; ``grpc_replies.py`` on gRPC);
+  otherwise the carrier's reader completes the future (``on_reply``).
 - Requests arriving on either carrier are run by ``dispatch.Dispatcher``:
   decoded, run by the handler registered for their kind, answered once.
 - Exactly one of three things ends a call, whichever takes it from the table
@@ -40,8 +40,7 @@ run and block on. The rule: user code (functions, ``then`` /
 thread the transport needs.
 
 Locks: none of the agent's own on the per-call path (the call table is a
-dict; ids come from an atomic counter).
-"""
+dict; ids come from an atomic counter)."""
 
 from __future__ import annotations
 
@@ -62,6 +61,7 @@ from rrpc import (
     codec,
     dispatch,
     faults,
+    grpc_settings,
     lane,
     lane_listener,
     logs,
@@ -173,7 +173,7 @@ class Agent:
         # In the shutdown barrier: a carrier breaking is a peer that stopped first (not logged).
         self.leaving = False
         self.ready = threading.Event()  # set once init_rpc learned every peer: requests wait for it
-        server_credentials, channel_credentials = transport.tls_credentials(
+        server_credentials, channel_credentials = grpc_settings.tls_credentials(
             options.tls_cert_file, options.tls_key_file, options.tls_ca_file
         )
         shm.tune_allocator()
@@ -371,8 +371,8 @@ class Agent:
         )
         now = time.monotonic()  # a lane opened for the call (on this thread) spends its time
         connection, route = self.routes.to(peer, timeout)
-        if sync:  # on a lane, the caller reads its own reply while nobody else reads
-            future: SyncReply | Future = SyncReply(route.lead if route is not None else None)
+        if sync:  # the caller reads its own reply while nobody else reads (a lane, gRPC)
+            future: SyncReply | Future = SyncReply((route or connection).lead)
         else:
             future = Future()
         row = self.metrics.sent(peer.name, kind, obj, out.size, out.tensor_bytes)
@@ -390,11 +390,11 @@ class Agent:
                 route.ended(request_id)  # dropped: no reply will come
         if connection.stream.state is CLOSED:  # it broke between lookup and send: fail now
             self.on_carrier_closed(peer, connection, connection.stream.error)
-        elif route is not None and not sync:
-            if bookkeeping:
+        elif not sync:
+            if bookkeeping and route is not None:
                 route.read_soon()
             else:
-                route.need_reader()
+                (route or connection).need_reader()
         return future
 
     def send_reliably(
@@ -509,13 +509,13 @@ class Agent:
         if isinstance(call.stream, lane.Lane):
             call.stream.expired(call.request_id)
         metrics.ended(call.row, timed_out=True)
-        settle(
-            call.future,
-            error=RpcTimeoutError(
-                f"{call.what} on {call.peer.name} timed out after {call.timeout:g} s "
-                f"(called from {self.info.name}): RPC ran for more than its timeout"
-            ),
+        reason = (
+            f"{call.what} on {call.peer.name} timed out after {call.timeout:g} s "
+            f"(called from {self.info.name}): RPC ran for more than its timeout"
         )
+        settle(call.future, error=RpcTimeoutError(reason))
+        if isinstance(call.stream, transport.Connection):
+            call.stream.interrupt()  # a caller reading the stream for its reply stops
 
     def on_carrier_closed(self, peer: WorkerInfo, connection: Any, error: BaseException | None):
         """A gRPC stream or a lane to ``peer`` ended: the calls on it fail."""

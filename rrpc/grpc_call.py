@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
 from grpc import _common as grpc_common
@@ -46,7 +47,7 @@ from grpc._cython import cygrpc
 # message) waits for room, so that a message is not held twice in memory.
 WAITING_LIMIT = 4 << 20
 
-_SEND, _RECEIVE, _STATUS, _METADATA = "send", "receive", "status", "metadata"
+_SEND, _RECEIVE, _STATUS, _METADATA, _WAKE = "send", "receive", "status", "metadata", "wake"
 
 
 class StreamEnded(Exception):
@@ -185,6 +186,14 @@ class Call(Sending):
         self._due = len(opening)
         self._operate((cygrpc.ReceiveMessageOperation(0),), _RECEIVE)
         self._events = self._packets()
+        # Called (with no lock of ours held but this stream's) when a sender
+        # waits for room: the send in flight completes only for whoever
+        # takes the stream's events, so someone must.
+        self.want_reader: Callable[[], Any] = lambda: None
+
+    def _stuck(self) -> None:
+        self.want_reader()
+        self._room.wait()
 
     def _operate(self, operations: tuple, tag: str) -> bool:
         """Start ``operations`` (with _lock held, or before the reader runs)."""
@@ -203,62 +212,94 @@ class Call(Sending):
             if not self._over:
                 self._call.cancel(cygrpc.StatusCode.cancelled, details)
 
-    # -- receiving (one thread)
+    # -- receiving (one thread at a time: see ``take``)
     def packets(self) -> Iterator[bytes]:
-        """Every packet the callee sends, in order, until the stream ends."""
+        """Every packet the callee sends, in order, until the stream ends
+        (``take`` in a loop, for a reader that is the stream's only one)."""
         return self._events
 
     def drain(self) -> None:
         """After ``cancel``, or once the stream ended: take the events left
         (the reader, having stopped reading ``packets()`` early)."""
         try:
-            for _ in self._events:
-                pass
-        except StreamEnded:
+            while True:
+                self.take()
+        except (StreamEnded, StopIteration):
             pass
 
-    def _packets(self) -> Iterator[bytes]:
-        status: tuple[grpc.StatusCode, str] | None = None
-        lock = self._lock
-        while True:
+    def busy(self) -> bool:
+        """Whether a send is in flight (its completion is yet to be taken)."""
+        return self._sending
+
+    def wake(self) -> None:
+        """Make the thread waiting in ``take`` return (None), from any thread:
+        an empty batch of operations, which gRPC completes at once."""
+        with self._lock:
+            if not self._over:
+                self._operate((), _WAKE)
+
+    def take(self) -> bytes | None:
+        """Wait for the stream's next event and take it: a packet from the
+        callee, or None (a send completed, a ``wake``, the stream's status).
+        Raises StopIteration once the stream is over with OK and
+        ``StreamEnded`` once it is over otherwise, every time after that too.
+        One thread at a time: gRPC frees the call's queue with its last
+        event, so only the thread that counted every operation may poll it."""
+        if self._done:
+            if self._status[0] is grpc.StatusCode.OK:
+                raise StopIteration
+            raise StreamEnded(*self._status)
+        try:
             event = self._call.next_event()
-            tag = event.tag
+        except BaseException:
+            # A signal handler raised in the main thread while it waited
+            # (KeyboardInterrupt): grpcio has freed the call and its queue.
+            self.abandon("interrupted by a signal")
+            raise
+        tag = event.tag
+        packet = None
+        with self._lock:
+            self._due -= 1
             if tag is _RECEIVE:
                 packet = event.batch_operations[0].message() if event.success else None
-                with lock:
-                    self._due -= 1
-                    # The next packet is asked for now, to come while this one
-                    # is handled (one ahead: gRPC's flow control still holds a
-                    # callee that sends faster than this end reads). None:
-                    # the callee sends no more.
-                    asked = packet is not None and not self._over
-                    if asked:
-                        self._operate((cygrpc.ReceiveMessageOperation(0),), _RECEIVE)
-                    due = self._due
-                if packet is not None:
-                    yield packet
-                    del packet
-                    if not asked:  # the stream is over: what else is due?
-                        with lock:
-                            due = self._due
+                # The next packet is asked for now, to come while this one is
+                # handled (one ahead: gRPC's flow control still holds a callee
+                # that sends faster than this end reads). None: it sends no more.
+                if packet is not None and not self._over:
+                    self._operate((cygrpc.ReceiveMessageOperation(0),), _RECEIVE)
             elif tag is _SEND:
-                with lock:
-                    self._due -= 1
-                    self._sent_locked()
-                    due = self._due
-            else:
-                with lock:
-                    self._due -= 1
-                    if tag is _STATUS:
-                        operation = event.batch_operations[0]
-                        code = grpc_common.CYGRPC_STATUS_CODE_TO_STATUS_CODE.get(
-                            operation.code(), grpc.StatusCode.UNKNOWN
-                        )
-                        status = (code, operation.details())
-                        self._end()
-                    due = self._due
-            if due == 0:
-                break
-            del event
-        if status is not None and status[0] is not grpc.StatusCode.OK:
-            raise StreamEnded(*status)
+                self._sent_locked()
+            elif tag is _STATUS:
+                operation = event.batch_operations[0]
+                code = grpc_common.CYGRPC_STATUS_CODE_TO_STATUS_CODE.get(
+                    operation.code(), grpc.StatusCode.UNKNOWN
+                )
+                self._status = (code, operation.details())
+                self._end()
+            self._done = self._due == 0
+        return packet
+
+    def abandon(self, reason: str) -> None:
+        """Never take this call's events again (a signal's exception cut a
+        thread taking one short: their count may be off, and polling past the
+        last would touch freed memory); the stream ends CANCELLED with
+        ``reason``. Its queue is left to gRPC."""
+        with self._lock:
+            if not self._done:
+                self._status = (grpc.StatusCode.CANCELLED, reason)
+                self._done = True
+                self._end()
+        self._call.cancel(cygrpc.StatusCode.cancelled, reason)
+
+    _done = False  # every operation completed: the call and its queue are gone
+    _status: tuple[grpc.StatusCode, str] = (grpc.StatusCode.UNKNOWN, "no status")
+
+    def _packets(self) -> Iterator[bytes]:
+        while True:
+            try:
+                packet = self.take()
+            except StopIteration:
+                return
+            if packet is not None:
+                yield packet
+                del packet

@@ -562,20 +562,19 @@ class Outbox:
 
 
 # -- Receiving -----------------------------------------------------------------------
-def read_frames(
-    packets: Iterator[bytes], reader: wire.FrameReader, on_frame: FrameHandler, outbox: Outbox
+def hand_frames(
+    packet: bytes, reader: wire.FrameReader, on_frame: FrameHandler, outbox: Outbox
 ) -> None:
-    """Hand every frame of ``packets`` to ``on_frame``, in order (a caller
-    reading its replies: one thread, no turns)."""
-    # No frame may stay referenced here while the next packet is awaited: a
-    # received tensor's shared-memory slot is freed with its last reference.
-    for packet in packets:
-        frames = reader.feed(packet)
-        del packet
-        for frame in _taken(frames):
-            outbox.received += 1
-            on_frame(frame)
-        frame = frames = None  # type: ignore[assignment]
+    """Hand every frame that ``packet`` completes to ``on_frame``, in order,
+    each counted as received (a caller's replies: see ``grpc_replies``)."""
+    # No frame may stay referenced here once this returns: a received
+    # tensor's shared-memory slot is freed with its last reference.
+    frames = reader.feed(packet)
+    del packet
+    for frame in _taken(frames):
+        outbox.received += 1
+        on_frame(frame)
+    frame = frames = None  # type: ignore[assignment]
 
 
 def _taken(frames: list[wire.Frame]) -> Iterator[wire.Frame]:

@@ -12,7 +12,8 @@ What does not depend on gRPC is elsewhere: batching into packets, admission
 of a peer's requests, the two readers taking turns and the one state of a
 stream in ``streams.py``; both ends of the auth handshake in ``auth.py``; the
 caller's end of a stream on gRPC's core API in ``grpc_call.py``. This module is
-the gRPC carrier: options, the stream's threads, metadata, status, TLS.
+the gRPC carrier: the stream's threads, metadata, status (its options and
+TLS credentials: ``grpc_settings.py``).
 
 Rules:
 - The stream's metadata carries the caller's rank. When the cluster has a
@@ -25,7 +26,7 @@ Rules:
   (possibly before the constructor returns); the agent opens a new one at the
   next call. Every channel is closed explicitly: one left to the garbage
   collector can hang the interpreter's exit in gRPC's finalizer.
-- gRPC refuses a message larger than any rrpc sends (``packet_limit``) from
+- gRPC refuses a message larger than any rrpc sends (``grpc_settings``) from
   its header, before it holds the bytes.
 - A stream may have bulk sockets beside it for its large tensor buffers
   (``bulk.py``): its caller dials them, naming the stream by its metadata's key.
@@ -41,7 +42,19 @@ from typing import Any
 
 import grpc
 
-from rrpc import auth, bulk, bulk_open, grpc_call, grpc_serve, logs, streams, turns, wire
+from rrpc import (
+    auth,
+    bulk,
+    bulk_open,
+    grpc_call,
+    grpc_replies,
+    grpc_serve,
+    grpc_settings,
+    logs,
+    streams,
+    turns,
+    wire,
+)
 from rrpc.messages import AuthenticationError, PeerUnavailableError, mark_transport_thread
 from rrpc.scheduler import Handle, Scheduler
 from rrpc.streams import (
@@ -58,48 +71,6 @@ from rrpc.streams import (
 SERVICE = "rrpc.Worker"
 METHOD = f"/{SERVICE}/Exchange"
 SERVER_HANDSHAKE_TIMEOUT = 10.0  # seconds a caller has to prove itself
-
-
-# The largest gRPC message a worker accepts, whatever its chunk_size below this:
-# rrpc cuts frames into packets of chunk_size (2 MiB by default), so a bigger
-# message is not rrpc's, and gRPC refuses it from its 5-byte header before it holds
-# the bytes. A worker with a chunk_size above it needs the same on its peers.
-MIN_PACKET_LIMIT = 64 << 20
-
-
-def packet_limit(packet_size: int) -> int:
-    return max(packet_size, MIN_PACKET_LIMIT)
-
-
-def _options(peer_timeout: float, packet_size: int, server: bool) -> list[tuple[str, int]]:
-    """A channel's gRPC options (``server``: the server's). A frozen or cut-off
-    peer (its socket still open) is noticed within ``peer_timeout`` seconds at
-    both ends of a stream: a keepalive ping every half of it, and the
-    connection fails when a ping goes unanswered for the other half. (With
-    gRPC's defaults on the server's side, a caller frozen while a reply was
-    sent to it kept its stream, and the reply, 20 s whatever ``peer_timeout``.)"""
-    half_ms = max(500, int(peer_timeout * 500))
-    return [
-        # Our packets are bounded by chunk_size; gRPC's own limits must not bite.
-        ("grpc.max_send_message_length", -1),
-        ("grpc.max_receive_message_length", packet_limit(packet_size)),
-        ("grpc.keepalive_time_ms", half_ms),
-        ("grpc.keepalive_timeout_ms", half_ms),
-        ("grpc.http2.ping_timeout_ms", half_ms),  # left at its default, keepalive never fires
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.max_pings_without_data", 0),
-        *(_SERVER_OPTIONS if server else _CHANNEL_OPTIONS),
-    ]
-
-
-# Each Connection gets its own TCP connection, not one shared by all channels.
-_CHANNEL_OPTIONS = [("grpc.use_local_subchannel_pool", 1)]
-_SERVER_OPTIONS = [
-    ("grpc.so_reuseport", 0),
-    # Accept the callers' keepalive pings (as often as every 0.5 s) without a GOAWAY.
-    ("grpc.http2.min_ping_interval_without_data_ms", 500),
-    ("grpc.http2.max_ping_strikes", 0),
-]
 
 
 class Connection:
@@ -152,7 +123,7 @@ class Connection:
         # No lingering here (``batch_delay`` is the callee's): the calling
         # threads send, and what queues while a send is in flight goes as one.
         self._outbox = Outbox(packet_size, stream=self.stream)
-        options = _options(peer_timeout, packet_size, server=False)
+        options = grpc_settings.options(peer_timeout, packet_size, server=False)
         if credentials is None:
             self._channel = grpc.insecure_channel(address, options=options)
         else:
@@ -176,7 +147,15 @@ class Connection:
         self._on_frame = on_frame if self._bulk is None else self._bulk.watching(on_frame)
         self._on_close = on_close
         claim = self._bulk.claim if self._bulk is not None else None
-        self._reader = wire.FrameReader(max_message_size, attach, claim)
+        reader = wire.FrameReader(max_message_size, attach, claim)
+        self._reader = reader
+        # Who reads the replies: a caller waiting for its own, or rrpc-recv.
+        self._replies = grpc_replies.Replies(
+            self._call, reader, self._on_frame, self._outbox, scheduler.call_at
+        )
+        self.lead = self._replies.lead
+        self.need_reader = self._replies.need_reader
+        self.interrupt = self._replies.interrupt
         self._thread = threading.Thread(
             target=self._receive, name=f"rrpc-recv-{peer_name}", daemon=True
         )
@@ -204,17 +183,17 @@ class Connection:
         else:
             self._call.cancel(f"the request side failed: {error}")
 
-    def _authenticated(self, packets: Iterator[bytes]) -> Iterator[bytes]:
-        """The response side once the peer proved itself (raises
-        AuthenticationError); our proof goes, then the requests queued meanwhile."""
+    def _authenticated(self) -> bytes:
+        """Once the peer proved itself (raises AuthenticationError): the bytes
+        that came after its proof; our proof goes, then the requests queued meanwhile."""
         assert self._handshake is not None
-        rest = self._handshake.check(next(packets, None))
+        rest = self._handshake.check(next(self._call.packets(), None))
         if not self.stream.move(PROVEN):  # the time was up first: it is being cancelled
             raise self.stream.error or PeerUnavailableError(f"stream to {self.peer_name} ended")
         assert self._handshake.proof is not None
         self._call.send(self._handshake.proof)
         self._push()
-        return itertools.chain((rest,), packets) if rest else packets
+        return rest
 
     def _expire(self, timeout: float) -> None:
         """On the scheduler's thread: the peer did not prove itself in time."""
@@ -226,10 +205,7 @@ class Connection:
         mark_transport_thread()
         error: BaseException | None = None
         try:
-            packets: Iterator[bytes] = self._call.packets()
-            if self._handshake is not None:
-                packets = self._authenticated(packets)
-            streams.read_frames(packets, self._reader, self._on_frame, self._outbox)
+            self._replies.read(self._authenticated() if self._handshake is not None else b"")
         except AuthenticationError as exc:  # the peer did not prove itself
             error = exc
             self._call.cancel()
@@ -255,6 +231,7 @@ class Connection:
         in time (frozen, partitioned) is cancelled: its reader ends on its own
         as gRPC delivers the cancellation, not waited for here."""
         self._outbox.end()
+        self.need_reader()  # someone takes the end's events
         self._thread.join(timeout)
         if self._thread.is_alive():
             self._call.cancel()
@@ -267,6 +244,7 @@ class Connection:
 
     def abort(self) -> None:
         self._call.cancel()
+        self.need_reader()
         self._outbox.end()
         self._channel.close()
 
@@ -350,7 +328,7 @@ class Server:
         self._server = grpc_serve.Listener(
             target,
             METHOD,
-            _options(peer_timeout, packet_size, server=True),
+            grpc_settings.options(peer_timeout, packet_size, server=True),
             credentials,
             self._exchange,
             packet_size,
@@ -571,23 +549,3 @@ class Server:
             outbox.stream.move(END)
             outbox.end()
         self._server.stop(grace)
-
-
-def tls_credentials(
-    cert_file: str | None, key_file: str | None, ca_file: str | None
-) -> tuple[grpc.ServerCredentials | None, grpc.ChannelCredentials | None]:
-    """Server and channel credentials for TLS with client certificates (both
-    sides present a certificate signed by ``ca_file``); (None, None) without."""
-    files = (cert_file, key_file, ca_file)
-    if not any(files):
-        return None, None
-    if not all(files):
-        raise ValueError("TLS needs tls_cert_file, tls_key_file and tls_ca_file together")
-    cert, key, ca = (open(path, "rb").read() for path in files)  # type: ignore[arg-type]
-    server = grpc.ssl_server_credentials(
-        [(key, cert)], root_certificates=ca, require_client_auth=True
-    )
-    channel = grpc.ssl_channel_credentials(
-        root_certificates=ca, private_key=key, certificate_chain=cert
-    )
-    return server, channel

@@ -1,8 +1,11 @@
 """Shared test set-up: `import rrpc` and `import harness` work, and no worker outlives its test."""
 
 import sys
+from collections.abc import Iterator
+from concurrent import futures
 from pathlib import Path
 
+import grpc
 import pytest
 
 # `make venv` installs rrpc in editable mode; this is the fallback for a bare
@@ -48,3 +51,31 @@ def cluster():
         yield world
     finally:
         world.close()
+
+
+class _Echo(grpc.GenericRpcHandler):
+    """Echoes every packet; a packet b"fail" ends the stream with INTERNAL."""
+
+    def service(self, details: grpc.HandlerCallDetails):
+        return grpc.stream_stream_rpc_method_handler(self._echo)
+
+    @staticmethod
+    def _echo(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+        for request in requests:
+            if request == b"fail":
+                context.abort(grpc.StatusCode.INTERNAL, "asked to fail")
+            yield request
+
+
+@pytest.fixture
+def echo_channel():
+    """A channel to a bare grpcio server in this process that echoes each
+    packet of a stream of ``harness.ECHO_METHOD``."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    server.add_generic_rpc_handlers((_Echo(),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    yield channel
+    channel.close()
+    server.stop(grace=None)

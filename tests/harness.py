@@ -669,6 +669,9 @@ def pushed(outbox: Any) -> tuple[list[bytes], list]:
     return packets, ends
 
 
+ECHO_METHOD = "/test.Echo/Exchange"  # conftest's ``echo_channel`` serves it
+
+
 def read_stream(call: Any) -> tuple[queue.SimpleQueue, threading.Thread]:
     """Read a ``grpc_call.Call``'s packets on a thread of their own, into a
     queue: each packet, then "ended" or the ``StreamEnded`` it raised."""

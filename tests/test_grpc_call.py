@@ -3,50 +3,20 @@ against a bare grpcio server in this process: order, ends, errors."""
 
 import os
 import threading
-from collections.abc import Iterator
-from concurrent import futures
 
 import grpc
 import pytest
 
-from harness import read_stream
+from harness import ECHO_METHOD, read_stream
 from rrpc import grpc_call
-
-METHOD = "/test.Echo/Exchange"
-
-
-class _Echo(grpc.GenericRpcHandler):
-    """Echoes every packet; a packet b"fail" ends the stream with INTERNAL."""
-
-    def service(self, details: grpc.HandlerCallDetails):
-        return grpc.stream_stream_rpc_method_handler(self._echo)
-
-    @staticmethod
-    def _echo(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
-        for request in requests:
-            if request == b"fail":
-                context.abort(grpc.StatusCode.INTERNAL, "asked to fail")
-            yield request
-
-
-@pytest.fixture
-def channel():
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    server.add_generic_rpc_handlers((_Echo(),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    yield channel
-    channel.close()
-    server.stop(grace=None)
 
 
 @pytest.mark.timeout(60)
-def test_packets_sent_while_others_wait_for_room_go_out_in_order(channel, monkeypatch):
+def test_packets_sent_while_others_wait_for_room_go_out_in_order(echo_channel, monkeypatch):
     # Room for one waiting packet: the sender waits for room at nearly every
     # send, and a send in flight may complete while it waits.
     monkeypatch.setattr(grpc_call, "WAITING_LIMIT", 64 << 10)
-    call = grpc_call.Call(channel, METHOD, [])
+    call = grpc_call.Call(echo_channel, ECHO_METHOD, [])
     packets, reader = read_stream(call)
     sent = [os.urandom(64 << 10) for _ in range(300)]
     for packet in sent:
@@ -61,8 +31,8 @@ def test_packets_sent_while_others_wait_for_room_go_out_in_order(channel, monkey
 
 
 @pytest.mark.timeout(60)
-def test_a_stream_ended_with_an_error_raises_its_status_and_refuses_more_sends(channel):
-    call = grpc_call.Call(channel, METHOD, [])
+def test_a_stream_ended_with_an_error_raises_its_status_and_refuses_more_sends(echo_channel):
+    call = grpc_call.Call(echo_channel, ECHO_METHOD, [])
     packets, reader = read_stream(call)
     call.send(b"one")
     call.send(b"fail")
@@ -77,8 +47,8 @@ def test_a_stream_ended_with_an_error_raises_its_status_and_refuses_more_sends(c
 
 
 @pytest.mark.timeout(60)
-def test_a_cancelled_stream_is_drained_by_its_reader_and_ends(channel):
-    call = grpc_call.Call(channel, METHOD, [])
+def test_a_cancelled_stream_is_drained_by_its_reader_and_ends(echo_channel):
+    call = grpc_call.Call(echo_channel, ECHO_METHOD, [])
     packets = call.packets()
     call.send(b"x" * 100)
     assert next(packets) == b"x" * 100  # the reader stops reading here
@@ -94,8 +64,31 @@ def test_a_cancelled_stream_is_drained_by_its_reader_and_ends(channel):
 @pytest.mark.timeout(60)
 def test_an_unreachable_server_ends_the_stream_unavailable():
     with grpc.insecure_channel("127.0.0.1:1") as unreachable:
-        call = grpc_call.Call(unreachable, METHOD, [])
+        call = grpc_call.Call(unreachable, ECHO_METHOD, [])
         call.send(b"lost")
         with pytest.raises(grpc_call.StreamEnded) as ended:
             list(call.packets())
     assert ended.value.code() is grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.mark.timeout(60)
+def test_wake_returns_a_thread_waiting_for_the_streams_next_event(echo_channel):
+    call = grpc_call.Call(echo_channel, ECHO_METHOD, [])
+    call.send(b"ping")
+    packet = None
+    while packet is None or call.busy():  # the opening's events, the send's, the echo
+        packet = call.take() or packet
+    assert packet == b"ping"  # and nothing more comes
+    woken = threading.Event()
+
+    def waiting():
+        assert call.take() is None
+        woken.set()
+
+    thread = threading.Thread(target=waiting, daemon=True)
+    thread.start()
+    assert not woken.wait(0.2)  # nothing to take: it waits
+    call.wake()
+    assert woken.wait(30)
+    call.cancel("test")
+    call.drain()

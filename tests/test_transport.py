@@ -166,7 +166,7 @@ def test_a_packet_of_many_frames_is_handed_out_in_order_without_keeping_any():
         seen.append(frame.envelope.request_id)
         previous[:] = [weakref.ref(frame)]
 
-    streams.read_frames(iter([b"".join(frames)]), wire.FrameReader(), on_frame, outbox)
+    streams.hand_frames(b"".join(frames), wire.FrameReader(), on_frame, outbox)
     assert seen == list(range(20_000))
     assert outbox.received == 20_000
     assert held == []
