@@ -121,7 +121,10 @@ class Replies:
             self._last_lead = time.monotonic()
             state.transport = was_transport
             self._turn.release()
-            if self._failure is not None or self._awaited():
+            # Not for a send still in flight (its completion may come after
+            # the reply): whoever sends next takes it, or waits for room and
+            # calls for the reader (``Call.want_reader``).
+            if self._failure is not None or self._outbox.open_exchanges() > 0:
                 self.need_reader()
         return True
 
