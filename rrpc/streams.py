@@ -541,6 +541,14 @@ class Outbox:
         carrier took it (flow control let it go)."""
         if not batch:
             return
+        if len(batch) == 1:  # a lone frame (most sends): one packet if it fits
+            pieces = batch[0]
+            size = sum(map(len, pieces))
+            if size <= self.packet_size:
+                yield b"".join(pieces)
+                if self._track:
+                    self._sent_bytes(size)
+                return
         packets = wire.packets(itertools.chain.from_iterable(batch), self.packet_size)
         if not self._track:
             yield from packets
