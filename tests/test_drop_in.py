@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import run_workers
+from harness import mp_context, run_workers
 
 FRAMEWORKS = ["torch", "rrpc"]
 
@@ -38,9 +38,24 @@ def _init(api, rank: int, world_size: int, **options) -> None:
 
 
 def _run(scenario, framework: str, world_size: int = 2, timeout: float = 90.0, **kwargs):
+    left = mp_context.Barrier(world_size)
     return run_workers(
-        scenario, world_size, args=(framework,), kwargs=kwargs, init=False, timeout=timeout
+        _then_leave_together,
+        world_size,
+        args=(scenario, framework, left),
+        kwargs=kwargs,
+        init=False,
+        timeout=timeout,
     )
+
+
+def _then_leave_together(rank, world_size, scenario, framework, left, **kwargs):
+    result = scenario(rank, world_size, framework, **kwargs)
+    # Rank 0 hosts the rendezvous store: on torch, a rank still in its
+    # shutdown when rank 0's process ended failed with "Connection reset by
+    # peer" (seen once under load). Every rank leaves once all are done.
+    left.wait(60)
+    return result
 
 
 def _same_on_both(scenario, world_size: int = 2, **kwargs):
