@@ -16,17 +16,18 @@ module drives the same HTTP/2 stream through grpcio's core layer
   themselves. So no thread is woken to send, and none waits for the
   network: except one with ``WAITING_LIMIT`` bytes waiting already (a large
   message cut into packets), which waits for room, as on a socket.
-- **Receiving.** One reader thread takes the stream's events
-  (``packets()``): each packet that arrives, each send that completes, the
-  status the stream ends with. The next packet is asked for as one is
+- **Receiving.** One thread at a time takes the stream's events (``take``;
+  which thread: ``grpc_replies.py``): each packet that arrives, each send
+  that completes, the status the stream ends with, a ``wake`` (an empty
+  batch, completed at once). The next packet is asked for as one is
   taken, before it is handled (so that a caller woken by its reply does not
   meet the reader starting that receive), and no sooner: gRPC's flow
   control still holds a peer that sends faster than this end reads, one
   packet ahead.
 - **Ending.** ``close_sending()`` half-closes the stream after what waits;
-  ``cancel()`` ends it at once. ``packets()`` ends when the callee ended the
-  stream with OK and raises ``StreamEnded`` (its code and details) when it
-  ended otherwise, and returns only once every operation it started is over.
+  ``cancel()`` ends it at once. ``take()`` raises StopIteration when the
+  callee ended the stream with OK and ``StreamEnded`` (its code and
+  details) when it ended otherwise, once every operation started is over.
 
 Measured on this project's 2-vCPU VM, a 64-byte echo against grpcio's own
 server: p50 175-191 µs this way, 213-314 µs through grpcio's stream API.
