@@ -16,6 +16,7 @@ import torch
 import rrpc
 from harness import ECHO_METHOD, run_workers
 from rrpc import PeerUnavailableError, RpcTimeoutError, grpc_call, grpc_replies, streams, wire
+from rrpc.agent import current_agent
 from rrpc.scheduler import Scheduler
 
 GRPC_ONLY = {"RRPC_LANE": "0"}  # every call between the two workers over gRPC
@@ -156,22 +157,39 @@ def test_a_caller_waiting_in_the_stream_is_woken_at_its_deadline():
     assert seen["next"] == 4
 
 
-def _interrupt(pid):
-    os.kill(pid, signal.SIGINT)
-    return "answered"
+def _interrupt_once_waiting(connection):
+    """SIGINT to this process once its main thread reads ``connection`` for
+    a reply, its request sent (not while it runs rrpc's sending code, where a
+    signal's exception lands anywhere in Python's bookkeeping)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if (
+            connection._replies._leading
+            and not connection._call.busy()
+            and not connection._outbox._sending
+        ):
+            os.kill(os.getpid(), signal.SIGINT)
+            return
+        time.sleep(0.001)  # polls the state above; the signal is what the test waits for
 
 
 def _interrupted_while_reading(rank, world_size):
     if rank != 0:
         return None
     rrpc.rpc_sync("worker1", torch.add, args=(1, 1))
+    connection = current_agent().routes.to(rrpc.get_worker_info("worker1"))[0]
+    threading.Thread(target=_interrupt_once_waiting, args=(connection,), daemon=True).start()
     try:
-        rrpc.rpc_sync("worker1", _interrupt, args=(os.getpid(),))
+        # No reply comes: the signal finds the caller waiting in gRPC's core
+        # for the stream's next event (grpcio then frees the call), or
+        # handling one.
+        rrpc.rpc_sync("worker1", _blocked_until_released)
         outcome = "returned"
     except KeyboardInterrupt:
         outcome = "interrupted"
     for _ in range(10):  # the stream the signal cut may fail a call or two as it ends
         try:
+            rrpc.rpc_sync("worker1", _release_the_blocked)
             return outcome, rrpc.rpc_sync("worker1", torch.add, args=(2, 2))
         except PeerUnavailableError:
             continue
@@ -180,7 +198,6 @@ def _interrupted_while_reading(rank, world_size):
 
 @pytest.mark.timeout(120)
 def test_ctrl_c_in_a_caller_reading_its_reply_interrupts_it_and_the_worker_recovers():
-    # The signal lands while the main thread waits in gRPC's core for its
-    # reply, or just after: either way it surfaces as KeyboardInterrupt, and
-    # the worker's calls go on (on a new stream if that one was cut).
+    # It surfaces as KeyboardInterrupt, the stream it cut ends, and the
+    # worker's calls go on, on a new stream.
     assert run_workers(_interrupted_while_reading, env=GRPC_ONLY)[0] == ("interrupted", 4)
