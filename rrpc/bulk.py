@@ -189,7 +189,7 @@ class Channel:
         backlog: Any = None,
         sockets: int = 1,
     ):
-        """``backlog``: the stream's ``streams.Outbox`` whose bound of bytes
+        """``backlog``: the stream's ``outbox.Outbox`` whose bound of bytes
         waiting to go counts the transfers queued here too (the callee's).
         ``sockets``: how many the caller's end dials."""
         self.name = name  # the peer, for errors

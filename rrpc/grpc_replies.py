@@ -48,6 +48,7 @@ import grpc
 from rrpc import streams, wire
 from rrpc.grpc_call import Call, StreamEnded
 from rrpc.messages import thread_state
+from rrpc.outbox import Outbox
 
 # Seconds after the last leader left before the reader thread waits for the
 # stream's next event anyway (the end of a stream no call is open on).
@@ -64,7 +65,7 @@ class Replies:
         call: Call,
         reader: wire.FrameReader,
         on_frame: streams.FrameHandler,
-        outbox: streams.Outbox,
+        outbox: Outbox,
         call_at: Callable[..., Any],
     ):
         self._call = call

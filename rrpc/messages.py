@@ -220,7 +220,7 @@ class _ThreadState(threading.local):
     # request waits for an RPC, whose reply may need that reading.
     hand_off: Callable[[], None] | None = None
     # On a stream's reader: the state of the stream it serves. A pushed
-    # ``streams.Outbox`` lets its own readers send (a transport thread
+    # ``outbox.Outbox`` lets its own readers send (a transport thread
     # serving another stream hands its frames to the outbox's sender).
     serving: object = None
 

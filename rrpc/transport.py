@@ -56,6 +56,7 @@ from rrpc import (
     wire,
 )
 from rrpc.messages import AuthenticationError, PeerUnavailableError, mark_transport_thread
+from rrpc.outbox import Outbox
 from rrpc.scheduler import Handle, Scheduler
 from rrpc.streams import (
     AUTHENTICATE,
@@ -64,7 +65,6 @@ from rrpc.streams import (
     EXPIRE,
     PROVEN,
     START,
-    Outbox,
     StreamState,
 )
 
@@ -173,7 +173,7 @@ class Connection:
         self._call.cancel()
 
     def _push(self) -> None:
-        """Requests go out from the threads that queue them (``streams.Outbox.push``)."""
+        """Requests go out from the threads that queue them (``outbox.Outbox.push``)."""
         self._outbox.push(self._call.send, self._sent_all, self._sender_name)
 
     def _sent_all(self, error: BaseException | None) -> None:
@@ -360,7 +360,7 @@ class Server:
     def _exchange(self, served: grpc_serve.Served) -> None:
         """Serve one caller's stream: the handshake (with a token), then its
         two readers, which take the stream's events from then on (``grpc_serve``).
-        A reply goes out from the thread that made it (``streams.Outbox.push``)."""
+        A reply goes out from the thread that made it (``outbox.Outbox.push``)."""
         metadata = served.metadata
         try:
             peer_rank = int(metadata.get("rrpc-rank", "-1"))

@@ -60,7 +60,8 @@ from collections.abc import Callable, Iterator
 
 from rrpc import wire
 from rrpc.messages import mark_transport_thread, thread_state
-from rrpc.streams import END, HALF_CLOSE, OPEN, Outbox, StreamState
+from rrpc.outbox import Outbox
+from rrpc.streams import END, HALF_CLOSE, OPEN, StreamState
 
 # A request run inline for this long while the role is lent gets its reading
 # taken over by the partner (seconds).
@@ -115,7 +116,7 @@ class TakeTurns:
         mark_transport_thread()
         me = threading.get_ident()
         stream, outbox = self.stream, self._outbox
-        thread_state.serving = stream  # its replies it may send itself (``streams.Outbox``)
+        thread_state.serving = stream  # its replies it may send itself (``outbox.Outbox``)
         reading = False  # whether this thread holds the role
         while True:
             if not reading:

@@ -661,7 +661,7 @@ class Cluster:
 
 
 def pushed(outbox: Any) -> tuple[list[bytes], list]:
-    """From now on ``outbox`` (a ``streams.Outbox``) sends into lists: the
+    """From now on ``outbox`` (an ``outbox.Outbox``) sends into lists: the
     packets it sends, and its end (``finish``'s argument: None when clean)."""
     packets: list[bytes] = []
     ends: list = []

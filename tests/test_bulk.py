@@ -23,10 +23,11 @@ import torch
 
 import rrpc
 from harness import mp_context, run_workers
-from rrpc import auth, bulk, bulk_open, streams, wire
+from rrpc import auth, bulk, bulk_open, wire
 from rrpc._proto.rrpc_pb2 import Envelope, SharedBuffer
 from rrpc.agent import current_agent
 from rrpc.messages import AuthenticationError, ProtocolError
+from rrpc.outbox import Outbox
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import netns  # noqa: E402 -- benchmarks/netns.py
@@ -170,7 +171,7 @@ def test_recycled_keeps_at_most_its_limit_dropping_the_oldest():
 def test_transfers_waiting_to_go_count_in_the_streams_reply_backlog():
     """A callee's replies waiting unsent are bounded (streams.REPLY_BACKLOG),
     their bulk bytes too: the stream's outbox counts them until written."""
-    outbox = streams.Outbox(1 << 20, track_backlog=True)
+    outbox = Outbox(1 << 20, track_backlog=True)
     served = bulk.Channel("rank 0", "test-served-{}", 0, 8.0, backlog=outbox)
     dialer = bulk.Channel("worker1", "test-dialer-{}", 0, 8.0)
     socks = _tcp_pair()

@@ -15,8 +15,9 @@ import torch
 
 import rrpc
 from harness import ECHO_METHOD, run_workers
-from rrpc import PeerUnavailableError, RpcTimeoutError, grpc_call, grpc_replies, streams, wire
+from rrpc import PeerUnavailableError, RpcTimeoutError, grpc_call, grpc_replies, wire
 from rrpc.agent import current_agent
+from rrpc.outbox import Outbox
 from rrpc.scheduler import Scheduler
 
 GRPC_ONLY = {"RRPC_LANE": "0"}  # every call between the two workers over gRPC
@@ -28,7 +29,7 @@ def test_a_leader_that_nothing_reaches_leaves_at_its_deadline(echo_channel):
     # own wake-up (the scheduler's) ends the wait for gRPC's next event.
     call = grpc_call.Call(echo_channel, ECHO_METHOD, [])
     scheduler = Scheduler()
-    outbox = streams.Outbox(1 << 20)
+    outbox = Outbox(1 << 20)
     replies = grpc_replies.Replies(
         call, wire.FrameReader(), lambda frame: None, outbox, scheduler.call_at
     )

@@ -113,7 +113,7 @@ def test_a_request_whose_reply_waits_for_its_peer_lends_its_permit_meanwhile():
     peer_reads, other_ran = threading.Event(), threading.Event()
 
     def request_with_a_reply_held_up():
-        # As a reply's send that a caller that does not read holds up (streams.Outbox).
+        # As a reply's send that a caller that does not read holds up (outbox.Outbox).
         lending(peer_reads.wait, WAIT)
 
     try:

@@ -9,6 +9,7 @@ import pytest
 from harness import pushed
 from rrpc import codec, streams, turns, wire
 from rrpc.messages import ProtocolError, mark_transport_thread, thread_state
+from rrpc.outbox import LEND_AT, Outbox
 from rrpc.streams import (
     AUTHENTICATE,
     AUTHENTICATING,
@@ -111,7 +112,7 @@ def _packet(*names: str) -> bytes:
 
 
 def test_a_half_closed_stream_ends_after_its_last_reply():
-    outbox = streams.Outbox(packet_size=1 << 20)
+    outbox = Outbox(packet_size=1 << 20)
     outbox.received = 2  # two requests read
     outbox.stream.move(HALF_CLOSE)
     outbox.end_if_answered()
@@ -123,7 +124,7 @@ def test_a_half_closed_stream_ends_after_its_last_reply():
 
 
 def test_readers_of_a_caller_that_half_closed_answer_nothing_more_and_end():
-    outbox = streams.Outbox(packet_size=1 << 20)
+    outbox = Outbox(packet_size=1 << 20)
     seen: list[str] = []
     readers = turns.TakeTurns(
         iter([_packet("a")]),
@@ -139,7 +140,7 @@ def test_readers_of_a_caller_that_half_closed_answer_nothing_more_and_end():
 
 
 def test_readers_end_the_stream_with_the_error_of_a_malformed_frame():
-    outbox = streams.Outbox(packet_size=1 << 20)
+    outbox = Outbox(packet_size=1 << 20)
     readers = turns.TakeTurns(
         iter([b"\xff\xff\xff\x7fgarbage"]), wire.FrameReader(), lambda f, i: None, outbox=outbox
     )
@@ -163,7 +164,7 @@ def test_readers_read_nothing_of_a_stream_that_is_not_open():
         pytest.fail("read a packet of a peer that has not proved itself")
         yield b""
 
-    outbox = streams.Outbox(packet_size=1 << 20, stream=StreamState(AUTHENTICATING))
+    outbox = Outbox(packet_size=1 << 20, stream=StreamState(AUTHENTICATING))
     turns.TakeTurns(never_read(), wire.FrameReader(), lambda f, i: None, outbox=outbox).run()
     assert outbox.stream.state is AUTHENTICATING
 
@@ -194,7 +195,7 @@ class _Carrier:
 
 
 def test_a_pushed_frame_goes_out_from_the_thread_that_queued_it():
-    outbox = streams.Outbox(packet_size=1 << 20)
+    outbox = Outbox(packet_size=1 << 20)
     carrier = _Carrier()
     outbox.put([b"early;"])  # queued before the carrier is there: it goes at push
     outbox.push(carrier.send, carrier.finish)
@@ -209,7 +210,7 @@ def test_a_pushed_frame_goes_out_from_the_thread_that_queued_it():
 
 
 def test_frames_queued_while_a_thread_sends_go_with_its_next_packet():
-    outbox = streams.Outbox(packet_size=1 << 20)
+    outbox = Outbox(packet_size=1 << 20)
     others = []
 
     def another_thread_queues_two():  # while the first send is under way
@@ -228,7 +229,7 @@ def test_frames_queued_while_a_thread_sends_go_with_its_next_packet():
 
 
 def test_a_thread_serving_another_stream_leaves_the_sending_to_the_outbox_sender():
-    outbox = streams.Outbox(packet_size=1 << 20)
+    outbox = Outbox(packet_size=1 << 20)
     sent = threading.Event()
     carrier = _Carrier(sent.set)
     outbox.push(carrier.send, carrier.finish)
@@ -253,7 +254,7 @@ def test_a_thread_serving_another_stream_leaves_the_sending_to_the_outbox_sender
 
 
 def test_a_pushed_outbox_finishes_once_with_the_error_it_ended_with():
-    outbox = streams.Outbox(packet_size=1 << 20)
+    outbox = Outbox(packet_size=1 << 20)
     carrier = _Carrier()
     outbox.push(carrier.send, carrier.finish)
     error = ProtocolError("malformed")
@@ -263,7 +264,7 @@ def test_a_pushed_outbox_finishes_once_with_the_error_it_ended_with():
 
 
 def test_a_carrier_that_fails_to_send_ends_the_outbox_with_its_error():
-    outbox = streams.Outbox(packet_size=1 << 20)
+    outbox = Outbox(packet_size=1 << 20)
     carrier = _Carrier()
     failure = ConnectionError("gone")
 
@@ -287,20 +288,20 @@ def _lend_recorder(outbox, lent):
 
 
 def test_a_turn_with_lend_at_bytes_to_send_lends_its_permit_and_a_small_one_does_not():
-    outbox = streams.Outbox(packet_size=1 << 20, track_backlog=True)
+    outbox = Outbox(packet_size=1 << 20, track_backlog=True)
     carrier, lent = _Carrier(), []
     outbox.push(carrier.send, carrier.finish, lend=_lend_recorder(outbox, lent))
     me = threading.current_thread().name
     outbox.put([b"small;"])  # the common reply: sent as before, nothing lent
     assert (carrier.sent, lent) == ([(b"small;", me)], [])
-    large = bytes(streams.LEND_AT)  # may wait for a peer that does not read
+    large = bytes(LEND_AT)  # may wait for a peer that does not read
     outbox.put([large])
-    assert (carrier.sent[1], lent, outbox.backlog) == ((large, me), [streams.LEND_AT], 0)
+    assert (carrier.sent[1], lent, outbox.backlog) == ((large, me), [LEND_AT], 0)
 
 
 def test_a_turn_lends_from_the_moment_lend_at_bytes_are_queued_by_others():
-    outbox = streams.Outbox(packet_size=1 << 20, track_backlog=True)
-    large, lent = bytes(streams.LEND_AT), []
+    outbox = Outbox(packet_size=1 << 20, track_backlog=True)
+    large, lent = bytes(LEND_AT), []
 
     def another_thread_queues_a_large_one():  # while the small one is sent
         if len(carrier.sent) == 1:

@@ -1,4 +1,4 @@
-"""The streams without sockets: the sending side (``streams.Outbox``:
+"""The streams without sockets: the sending side (``outbox.Outbox``:
 batching, lingering, ending), the readers' turns, and the bound on a peer's
 requests in flight; and one real gRPC stream, for who sends its replies."""
 
@@ -15,6 +15,7 @@ from harness import pushed
 from rrpc import codec, options, streams, transport, turns, wire
 from rrpc._proto.rrpc_pb2 import Envelope
 from rrpc.messages import ProtocolError
+from rrpc.outbox import Outbox
 from rrpc.scheduler import Scheduler
 
 
@@ -25,7 +26,7 @@ def _frame(i: int) -> list[bytes]:
 def _outbox(open_exchanges: int, delay: float = 300e-6, min_open: int = 16):
     """An outbox with ``open_exchanges`` requests sent and unanswered, nothing
     queued, and the list it sends its packets into from now on."""
-    outbox = streams.Outbox(packet_size=1 << 20, batch_delay=delay, batch_min_open=min_open)
+    outbox = Outbox(packet_size=1 << 20, batch_delay=delay, batch_min_open=min_open)
     for i in range(open_exchanges):
         outbox.put(_frame(i))
     packets, _ = pushed(outbox)
@@ -34,7 +35,7 @@ def _outbox(open_exchanges: int, delay: float = 300e-6, min_open: int = 16):
 
 
 def test_frames_queued_together_go_out_as_one_packet():
-    outbox = streams.Outbox(packet_size=1 << 20)
+    outbox = Outbox(packet_size=1 << 20)
     for i in range(5):
         outbox.put(_frame(i))
     assert pushed(outbox)[0] == [b"".join(piece for i in range(5) for piece in _frame(i))]
@@ -70,7 +71,7 @@ def test_zero_delay_turns_lingering_off():
 
 
 def test_open_exchanges_count_frames_sent_against_frames_received():
-    outbox = streams.Outbox(packet_size=1 << 20)
+    outbox = Outbox(packet_size=1 << 20)
     for i in range(10):
         outbox.put(_frame(i))
     outbox.received += 4
@@ -80,7 +81,7 @@ def test_open_exchanges_count_frames_sent_against_frames_received():
 
 
 def test_end_sends_what_is_queued_then_stops():
-    outbox = streams.Outbox(packet_size=1 << 20)
+    outbox = Outbox(packet_size=1 << 20)
     outbox.put(_frame(0))
     outbox.put(_frame(1))
     outbox.end()
@@ -88,7 +89,7 @@ def test_end_sends_what_is_queued_then_stops():
 
 
 def test_end_with_an_error_sends_what_is_queued_then_raises_it():
-    outbox = streams.Outbox(packet_size=1 << 20)
+    outbox = Outbox(packet_size=1 << 20)
     outbox.put(_frame(0))
     outbox.end(ProtocolError("malformed"))
     packets, ends = pushed(outbox)
@@ -113,7 +114,7 @@ def _packet(*names: str) -> bytes:
 def _turns(packets, waiting_partner: bool):
     """Run one reader over ``packets`` on this thread; without ``waiting_partner``
     as if the other reader were running a request. Returns what it did."""
-    outbox = streams.Outbox(packet_size=1 << 20)
+    outbox = Outbox(packet_size=1 << 20)
     seen = []
     readers = turns.TakeTurns(
         iter(packets),
@@ -155,7 +156,7 @@ def test_a_packet_of_many_frames_is_handed_out_in_order_without_keeping_any():
     # handed out once, in order, and the reader keeps no reference to it
     # afterwards (pop(0) on the list made such a packet cost N squared).
     frames = [b"".join(bytes(p) for p in codec.encode(10, i, i).pieces) for i in range(20_000)]
-    outbox = streams.Outbox(1 << 20)
+    outbox = Outbox(1 << 20)
     seen: list[int] = []
     previous: list[weakref.ref] = []
     held: list[int] = []
@@ -258,7 +259,7 @@ def test_requests_are_admitted_in_order_and_reading_stops_when_admission_fails()
         wire.FrameReader(),
         lambda frame, inline: handed.append(codec.loads(frame)),
         admit,
-        outbox=streams.Outbox(packet_size=1 << 20),
+        outbox=Outbox(packet_size=1 << 20),
     )
     readers.run()
     assert admitted == ["a", "b", "c"]
