@@ -157,8 +157,7 @@ class Agent:
         # Restricted mode is chosen per run, here: how every message is unpickled
         # (the CALL handler and RRef proxies check options.restricted too).
         self.unpickle = restricted.loads if options.restricted else pickle.loads
-        # Serving: the handlers of each message kind, and the run of each request.
-        self.dispatcher = dispatch.Dispatcher(self)
+        self.dispatcher = dispatch.Dispatcher(self)  # each kind's handler; each request's run
         self.handlers = self.dispatcher.handlers
         self.register = self.dispatcher.register
         self.autograd_hooks: AutogradHooks | None = None
@@ -217,6 +216,7 @@ class Agent:
             peer_timeout=options.peer_timeout,
             unread_replies=unread_replies,
             lend=lending,  # a reply's send that its caller holds up keeps no permit
+            spin=options.grpc_spin,
         )
         self.address = self.server.address
         self.server.admission.gate(self.ready, options.init_timeout)

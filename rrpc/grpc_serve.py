@@ -40,6 +40,7 @@ import grpc
 from grpc._cython import cygrpc
 
 from rrpc.grpc_call import _RECEIVE, _SEND, WAITING_LIMIT, Sending, StreamEnded
+from rrpc.spin import Spin
 
 _CLOSED, _METADATA, _NEW = "closed", "metadata", "new"
 _NO_PACKET = object()
@@ -50,7 +51,9 @@ POLL_SLICE = 0.05  # seconds a sender polls at a time while its packets wait
 class Served(Sending):
     """One incoming stream: its call on gRPC's core and its own completion queue."""
 
-    def __init__(self, event: Any, queue: cygrpc.CompletionQueue, message_size: int):
+    def __init__(
+        self, event: Any, queue: cygrpc.CompletionQueue, message_size: int, spin: float = 0.0
+    ):
         super().__init__(message_size)
         self._call = event.call
         self._queue = queue
@@ -62,6 +65,7 @@ class Served(Sending):
         self._receiving = True  # a receive is started and its packet not taken
         self._callbacks: list[Callable[[], Any]] = []
         self._done = False  # the stream is over and its callbacks ran
+        self._spin = Spin(spin)  # a reader waiting for the next request looks before it sleeps
         self._operate((cygrpc.ReceiveCloseOnServerOperation(0),), _CLOSED)
         self._operate((cygrpc.SendInitialMetadataOperation((), 0),), _METADATA)
         self._operate((cygrpc.ReceiveMessageOperation(0),), _RECEIVE)
@@ -135,7 +139,7 @@ class Served(Sending):
                     if not self._receiving:
                         self._kept = _HALF_CLOSED
                         break
-                    self._poll(None)
+                    self._poll(None, spin=True)
                 packet, self._kept = self._kept, _NO_PACKET
             if packet is _HALF_CLOSED:
                 break
@@ -161,12 +165,16 @@ class Served(Sending):
             while self._due:
                 self._poll(None)
 
-    def _poll(self, timeout: float | None) -> None:
-        """Take one event, or none within ``timeout`` seconds (``_polling`` held)."""
+    def _poll(self, timeout: float | None, spin: bool = False) -> None:
+        """Take one event, or none within ``timeout`` seconds (``_polling``
+        held); ``spin``: looking for it a while first (``spin.Spin``)."""
         if not self._due:
             return
-        deadline = None if timeout is None else time.time() + timeout
-        event = self._queue.poll(deadline)
+        if spin and timeout is None:
+            event = self._spin.wait(self._look, self._queue.poll)
+        else:
+            deadline = None if timeout is None else time.time() + timeout
+            event = self._queue.poll(deadline)
         if event.completion_type != cygrpc.CompletionType.operation_complete:
             return
         over = False
@@ -190,6 +198,12 @@ class Served(Sending):
                 over = True
         if over:
             self._over_now()
+
+    def _look(self) -> Any:
+        """An event if one is there now, else None. (A deadline of now would
+        wait: gRPC's core rounds it up to the next millisecond.)"""
+        event = self._queue.poll(0.0)
+        return None if event.completion_type == cygrpc.CompletionType.queue_timeout else event
 
     _cancelled = False  # the stream ended cancelled (its end said so)
     _broken = False  # a receive failed: the stream broke
@@ -215,8 +229,11 @@ class Listener:
         on_stream: Callable[[Served], Any],
         message_size: int,
         name: str,
+        spin: float = 0.0,
     ):
+        """``spin``: seconds a stream's reader looks for the next request before it sleeps."""
         self._method = method.encode()
+        self._spin = spin
         self._on_stream = on_stream
         self._message_size = message_size
         self._name = name
@@ -254,7 +271,7 @@ class Listener:
                 continue
             if not self._stopped.is_set():
                 self._request()
-            served = Served(event, queue, self._message_size)
+            served = Served(event, queue, self._message_size, self._spin)
             if event.call_details.method != self._method:
                 served.finish(grpc.StatusCode.UNIMPLEMENTED, "no such method")
                 served.drain()

@@ -22,6 +22,7 @@ from typing import Any
 from rrpc import auth, wire
 from rrpc._proto.rrpc_pb2 import Envelope
 from rrpc.messages import ERROR, AuthenticationError
+from rrpc.spin import Spin
 
 RECV_SIZE = 256 << 10  # bytes asked of the socket per read
 IOV_MAX = 512  # pieces per sendmsg (Linux allows 1024)
@@ -87,54 +88,15 @@ class Reader:
     read turn (one at a time: the poll object is not shared by two waits).
 
     ``spin``: seconds a read that finds no byte keeps looking (``poll``
-    without a timeout, in a loop) before it sleeps in ``poll``. Bytes that
-    come within it cost no wake-up, which on a virtual machine is a
-    cross-CPU interrupt costing tens of microseconds at each end: a no-op
-    round trip whose two ends both spin is 3x faster here. Past its first
-    ``SPIN_ALONE`` seconds a spin yields the CPU at every look
-    (``sched_yield``): a thread that wants this CPU (the other end's
-    computation, torch's OpenMP workers, a third process) gets it at once,
-    and the spinner looks again when it is given the CPU back. A spin that
-    kept the CPU slowed what it waited for, so it was held to 200 µs, and
-    longer waits (a forward pass, a 1 MiB echo, a reply behind another
-    process's turn on the CPU) slept and paid the wake-up. Measured inside
-    one run, alternating block by block with that rule (200 µs, never
-    yielding): the distributed-autograd step 0.93-1.21x (six runs, median
-    1.08x), the RL example (three processes on two cores) 1.06-1.25x, 64
-    threads' calls 1.10-1.28x, 64 in flight 0.98-1.06x, `remote().to_here()`
-    1.04-1.07x, a no-op call 1.03-1.04x, a 1 MiB echo 1.09x, 64 KiB and 512
-    KiB echoes 0.99-1.01x, a 4 KiB echo 0.99x; every echo's p99 lower. The
-    parameter server (two trainers and a server on two saturated cores)
-    0.94-1.04x (six runs, median 0.96x), likely because a spinning thread,
-    yielding or not, keeps its CPU from looking idle to the scheduler, which
-    places a woken thread on an idle CPU first (napping 1 µs between looks
-    instead of yielding: 0.97x there too). Spinning only at the caller's end kept the
-    parameter server whole (1.03x) but lost the autograd step's gain (0.97x)
-    and 64 threads' (0.99x): the callee's waits between a caller's requests
-    are what those lose to wake-ups.
-
-    A reader spins only while most of its recent waits ended within
-    ``spin`` (``_hits``, a moving average): a caller waiting on long calls,
-    or a callee whose caller pauses between calls, sleeps at once as it
-    would without it. A wait slept through is measured with its wake-up in
-    it, which can make a short wait look long, so one wait in
-    ``PROBE_EVERY`` spins regardless: a reader that stopped spinning starts
-    again once waits are short. A probe that waits in vain doubles the
-    interval to the next one (up to ``PROBE_MAX``), a short wait sets it back.
+    without a timeout, in a loop) before it sleeps in ``poll``, while its
+    recent waits were that short (``spin.Spin``).
     """
-
-    PROBE_EVERY = 8
-    PROBE_MAX = 1024
-    SPIN_ALONE = 50e-6  # seconds of a spin that keep the CPU: a short wait's bytes seen at once
 
     def __init__(self, sock: socket.socket, spin: float = 0.0):
         self._sock = sock
         self._poller = select.poll()
         self._poller.register(sock.fileno(), select.POLLIN)
-        self.spin = spin
-        self._hits = 1.0  # the share of recent waits that ended within ``spin``
-        self._waits = 0
-        self._probe_every = self.PROBE_EVERY  # while spinning is off: one wait in this many spins
+        self.spin = Spin(spin)
 
     def recv(self, timeout_ms: int = -1, wait_first: bool = False) -> bytes | None:
         """Bytes from the socket; None if none came within ``timeout_ms``
@@ -160,32 +122,7 @@ class Reader:
         """Until the socket can be read (bytes, its end, an error) or
         ``timeout_ms`` passed; spinning first while waits have been short."""
         poll = self._poller.poll
-        spin = self.spin
-        if not spin:
-            poll(timeout_ms)
-            return
-        self._waits += 1
-        start = time.perf_counter()
-        spinning = self._hits >= 0.5
-        probe = not spinning and self._waits % self._probe_every == 0
-        if spinning or probe:
-            end = start + spin
-            alone = start + self.SPIN_ALONE
-            while not poll(0):
-                now = time.perf_counter()
-                if now >= end:
-                    poll(timeout_ms)
-                    break
-                if now >= alone:
-                    os.sched_yield()
-        else:
-            poll(timeout_ms)
-        hit = time.perf_counter() - start < spin
-        self._hits += (hit - self._hits) / 4
-        if hit:
-            self._probe_every = self.PROBE_EVERY
-        elif probe:
-            self._probe_every = min(2 * self._probe_every, self.PROBE_MAX)
+        self.spin.wait(lambda: poll(0), lambda: poll(timeout_ms))
 
 
 def open_as_caller(

@@ -67,6 +67,12 @@ class RpcBackendOptions:
             0: always sleep at once). A reply or request caught this way costs no
             wake-up (see ``rrpc/lane_io.py``); past its first 50 µs a look yields
             the CPU to any thread that wants it, so the spin takes idle CPU only.
+        grpc_spin: seconds a gRPC stream's callee keeps looking for the caller's
+            next request before it sleeps, while its recent waits were that
+            short (env ``RRPC_GRPC_SPIN``; 0: always sleep at once). As
+            ``lane_spin``, for calls that go over gRPC (between hosts); a
+            gRPC caller waiting for its reply always sleeps (grpcio's calls
+            have no wait with a time limit).
         bulk_channel: carry the large tensor buffers of a gRPC stream (1 MiB or
             more in one message) on a TCP socket beside it, sent from and received
             into the tensors' memory (env ``RRPC_BULK``; see ``rrpc/bulk.py``).
@@ -112,6 +118,7 @@ class RpcBackendOptions:
     run_inline: bool = field(default_factory=lambda: _env_flag("RRPC_INLINE", True))
     same_host_lane: bool = field(default_factory=lambda: _env_flag("RRPC_LANE", True))
     lane_spin: float = field(default_factory=lambda: _env_float("RRPC_LANE_SPIN", 1e-3))
+    grpc_spin: float = field(default_factory=lambda: _env_float("RRPC_GRPC_SPIN", 1e-3))
     bulk_channel: bool = field(default_factory=lambda: _env_flag("RRPC_BULK", True))
     bulk_sockets: int = field(default_factory=lambda: int(os.environ.get("RRPC_BULK_SOCKETS") or 2))
     peer_timeout: float = field(default_factory=lambda: _env_float("RRPC_PEER_TIMEOUT", 8.0))
@@ -149,6 +156,7 @@ class RpcBackendOptions:
             "rref_delete_delay",
             "peer_timeout",
             "lane_spin",
+            "grpc_spin",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -162,8 +170,9 @@ class RpcBackendOptions:
             raise ValueError(f"rpc_timeout must be >= 0 (0: none), got {self.rpc_timeout}")
         if not 0 <= self.batch_delay <= 0.1:
             raise ValueError(f"batch_delay must be in [0, 0.1] seconds, got {self.batch_delay}")
-        if not 0 <= self.lane_spin <= 0.01:
-            raise ValueError(f"lane_spin must be in [0, 0.01] seconds, got {self.lane_spin}")
+        for name in ("lane_spin", "grpc_spin"):
+            if not 0 <= getattr(self, name) <= 0.01:
+                raise ValueError(f"{name} must be in [0, 0.01] seconds, got {getattr(self, name)}")
         if not 0 <= self.rref_delete_delay <= 1.0:
             raise ValueError(
                 f"rref_delete_delay must be in [0, 1] seconds, got {self.rref_delete_delay}"

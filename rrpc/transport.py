@@ -308,9 +308,12 @@ class Server:
         peer_timeout: float = 8.0,
         unread_replies: streams.UnreadReplies | None = None,
         lend: Callable[..., Any] | None = None,
+        spin: float = 0.0,
     ):
         """``bulk_channel``: accept bulk sockets beside the streams (``bulk_port``);
-        ``unread_replies``: see ``streams.admit_with``; ``lend``: ``Outbox.push``'s."""
+        ``unread_replies``: see ``streams.admit_with``; ``lend``: ``Outbox.push``'s;
+        ``spin``: seconds a stream's reader looks for the next request before it
+        sleeps (``spin.Spin``)."""
         self._on_frame = on_frame
         self._lend = lend
         self._attach = attach
@@ -333,6 +336,7 @@ class Server:
             self._exchange,
             packet_size,
             str(rank),
+            spin,
         )
         self.port = self._server.port
         if not self.port:

@@ -14,16 +14,79 @@ from rrpc import grpc_call, grpc_serve
 METHOD = "/test.Echo/Exchange"
 
 
-@pytest.fixture
-def served_streams():
-    """A listener whose streams land on a queue, and a channel to it."""
+def _listening(spin: float = 0.0):
+    """A listener whose streams land on a queue, and a channel to it; its
+    streams' readers spin ``spin`` seconds for the next request."""
     streams: queue.SimpleQueue = queue.SimpleQueue()
-    listener = grpc_serve.Listener("127.0.0.1:0", METHOD, [], None, streams.put, 1 << 20, "test")
+    listener = grpc_serve.Listener(
+        "127.0.0.1:0", METHOD, [], None, streams.put, 1 << 20, "test", spin=spin
+    )
     listener.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{listener.port}")
     yield channel, streams
     channel.close()
     listener.stop(grace=None)
+
+
+@pytest.fixture
+def served_streams():
+    yield from _listening()
+
+
+@pytest.fixture
+def spinning_streams():
+    yield from _listening(spin=5.0)  # far longer than the caller takes to send
+
+
+class _CountingQueue:
+    """A stream's completion queue, counting the polls that look (a past
+    deadline: back at once) and those that sleep (no deadline)."""
+
+    def __init__(self, queue):
+        self._queue = queue
+        self.looks = 0
+        self.sleeps = 0
+        self.looked = threading.Event()
+
+    def poll(self, deadline=None):
+        if deadline is None:
+            self.sleeps += 1
+        else:
+            self.looks += 1
+            self.looked.set()
+        return self._queue.poll(deadline)
+
+
+def _served_with_first_packet(channel, streams):
+    """A stream whose first packet its reader took, its polls counted."""
+    call = grpc_call.Call(channel, METHOD, [])
+    read_stream(call)
+    call.send(b"first")
+    served = streams.get(timeout=10)
+    packets = served.packets()
+    assert next(packets) == b"first"
+    counting = served._queue = _CountingQueue(served._queue)
+    return call, packets, counting
+
+
+@pytest.mark.timeout(60)
+def test_a_reader_spinning_for_the_next_request_takes_it_without_sleeping(spinning_streams):
+    call, packets, counting = _served_with_first_packet(*spinning_streams)
+    second: queue.SimpleQueue = queue.SimpleQueue()
+    reader = threading.Thread(target=lambda: second.put(next(packets)), daemon=True)
+    reader.start()
+    assert counting.looked.wait(10)  # the reader looks for the next request: send it now
+    call.send(b"second")
+    assert second.get(timeout=10) == b"second"
+    assert counting.sleeps == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_reader_without_spin_sleeps_until_the_next_request(served_streams):
+    call, packets, counting = _served_with_first_packet(*served_streams)
+    call.send(b"second")
+    assert next(packets) == b"second"
+    assert (counting.looks, counting.sleeps) == (0, 1)
 
 
 @pytest.mark.timeout(60)

@@ -23,9 +23,11 @@ import torch
 import rrpc
 from harness import mp_context, run_workers
 from rrpc import auth, codec, lane, lane_io, wire
+from rrpc import spin as spin_module
 from rrpc.agent import current_agent
 from rrpc.futures import wait_until
 from rrpc.messages import REPLY
+from rrpc.spin import Spin
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import netns  # noqa: E402 -- benchmarks/netns.py
@@ -469,7 +471,7 @@ def spinning_reader():
         reader = lane_io.Reader(ours, spin=spin)
         counting = reader._poller = _CountingPoller(reader._poller)
         if stopped:
-            reader._hits = 0.0
+            reader.spin._hits = 0.0
         return reader, counting, theirs
 
     yield make
@@ -504,16 +506,16 @@ def test_a_spin_yields_the_cpu_at_each_look_after_its_first_moments(spinning_rea
         return poll(timeout)
 
     counting.poll = noting_poll
-    monkeypatch.setattr(lane_io.os, "sched_yield", sched_yield)
+    monkeypatch.setattr(spin_module.os, "sched_yield", sched_yield)
     start = time.perf_counter()
     reader._wait(1)  # nothing comes: it spins all of spin, then sleeps out 1 ms
     spun = [(when - start, before) for when, before in looks[:-1]]  # the last: the sleep
     assert any(before for _, before in spun)
     first_yield = min(when for when, before in spun if before)
-    assert first_yield >= lane_io.Reader.SPIN_ALONE
+    assert first_yield >= Spin.SPIN_ALONE
     assert all(before for when, before in spun if when > first_yield)
     # A spin shorter than SPIN_ALONE never yields.
-    reader, counting, _ = spinning_reader(spin=lane_io.Reader.SPIN_ALONE / 2)
+    reader, counting, _ = spinning_reader(spin=Spin.SPIN_ALONE / 2)
     yielded[0] = False
     reader._wait(1)
     assert counting.looks > 0 and not yielded[0]
@@ -551,7 +553,7 @@ def _probed(reader, counting, waits, timeout_ms):
 
 def test_a_reader_that_stopped_spinning_still_spins_one_wait_in_probe_every(spinning_reader):
     reader, counting, _ = spinning_reader(0.001, stopped=True)  # long waits lately
-    spun = _probed(reader, counting, 2 * lane_io.Reader.PROBE_EVERY, 5)
+    spun = _probed(reader, counting, 2 * Spin.PROBE_EVERY, 5)
     assert len(spun) == 2, spun
 
 
@@ -563,7 +565,7 @@ def test_a_probe_that_waits_in_vain_doubles_the_interval_and_a_short_wait_resets
     # A short wait (the bytes are there): probes come one wait in PROBE_EVERY again.
     theirs.sendall(b"x")
     assert reader.recv(timeout_ms=1000, wait_first=True) == b"x"
-    probed = _probed(reader, counting, 2 * lane_io.Reader.PROBE_EVERY, 2)
+    probed = _probed(reader, counting, 2 * Spin.PROBE_EVERY, 2)
     assert len(probed) == 2, probed
 
 
@@ -575,11 +577,13 @@ def test_a_reader_without_spin_never_looks_without_sleeping(spinning_reader):
     assert counting.looks == 0 and counting.sleeps > 0
 
 
-def test_lane_spin_is_an_option_and_an_environment_variable(monkeypatch):
-    assert rrpc.RpcBackendOptions(lane_spin=0).lane_spin == 0
-    monkeypatch.setenv("RRPC_LANE_SPIN", "0.0002")
-    assert rrpc.RpcBackendOptions().lane_spin == 0.0002
-    with pytest.raises(ValueError, match="lane_spin"):
-        rrpc.RpcBackendOptions(lane_spin=1.0)
-    with pytest.raises(TypeError, match="lane_spin"):
-        rrpc.RpcBackendOptions(lane_spin="fast")
+@pytest.mark.parametrize("name", ["lane_spin", "grpc_spin"])
+def test_each_spin_is_an_option_and_an_environment_variable(monkeypatch, name):
+    assert getattr(rrpc.RpcBackendOptions(**{name: 0}), name) == 0
+    assert getattr(rrpc.RpcBackendOptions(), name) == 1e-3
+    monkeypatch.setenv(f"RRPC_{name.upper()}", "0.0002")
+    assert getattr(rrpc.RpcBackendOptions(), name) == 0.0002
+    with pytest.raises(ValueError, match=name):
+        rrpc.RpcBackendOptions(**{name: 1.0})
+    with pytest.raises(TypeError, match=name):
+        rrpc.RpcBackendOptions(**{name: "fast"})
