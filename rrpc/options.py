@@ -65,7 +65,7 @@ class RpcBackendOptions:
         lane_spin: seconds a lane's reader keeps looking for bytes before it
             sleeps, while its recent waits were that short (env ``RRPC_LANE_SPIN``;
             0: always sleep at once). A reply or request caught this way costs no
-            wake-up (see ``rrpc/lane_io.py``); past its first 50 µs a look yields
+            wake-up (see ``rrpc/spin.py``); past its first 50 µs a look yields
             the CPU to any thread that wants it, so the spin takes idle CPU only.
         grpc_spin: seconds a gRPC stream's callee keeps looking for the caller's
             next request before it sleeps, while its recent waits were that
