@@ -86,7 +86,8 @@ def test_a_reader_without_spin_sleeps_until_the_next_request(served_streams):
     call, packets, counting = _served_with_first_packet(*served_streams)
     call.send(b"second")
     assert next(packets) == b"second"
-    assert (counting.looks, counting.sleeps) == (0, 1)
+    # (A completion still owed, the initial metadata's, may take a sleep of its own.)
+    assert counting.looks == 0 and counting.sleeps >= 1
 
 
 @pytest.mark.timeout(60)
