@@ -171,7 +171,7 @@ class Served(Sending):
         if not self._due:
             return
         if spin and timeout is None:
-            event = self._spin.wait(self._look, self._queue.poll)
+            event = self._spin.wait(self._look, self._queue.poll, None)
         else:
             deadline = None if timeout is None else time.time() + timeout
             event = self._queue.poll(deadline)

@@ -121,8 +121,11 @@ class Reader:
     def _wait(self, timeout_ms: int) -> None:
         """Until the socket can be read (bytes, its end, an error) or
         ``timeout_ms`` passed; spinning first while waits have been short."""
-        poll = self._poller.poll
-        self.spin.wait(lambda: poll(0), lambda: poll(timeout_ms))
+        self.spin.wait(self._look, self._poller.poll, timeout_ms)
+
+    def _look(self) -> list:
+        """Whether the socket can be read now, without waiting (a list: empty if not)."""
+        return self._poller.poll(0)
 
 
 def open_as_caller(

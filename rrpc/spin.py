@@ -45,7 +45,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -63,12 +63,13 @@ class Spin:
         self._waits = 0
         self._probe_every = self.PROBE_EVERY  # while spinning is off: one wait in this many spins
 
-    def wait(self, look: Callable[[], T], sleep: Callable[[], T]) -> T:
+    def wait(self, look: Callable[[], T], sleep: Callable[[Any], T], limit: Any) -> T:
         """What ``look()`` (which must not block) finds, spinning first while
-        waits have been short, or else what ``sleep()`` (which blocks) returns."""
+        waits have been short, or else what ``sleep(limit)`` (which blocks,
+        ``limit`` its time limit in the sleeper's own terms) returns."""
         spin = self.spin
         if not spin:
-            return sleep()
+            return sleep(limit)
         self._waits += 1
         start = time.perf_counter()
         probe = self._hits < 0.5 and self._waits % self._probe_every == 0
@@ -78,12 +79,12 @@ class Spin:
             while not (found := look()):
                 now = time.perf_counter()
                 if now >= end:
-                    found = sleep()
+                    found = sleep(limit)
                     break
                 if now >= alone:
                     os.sched_yield()
         else:
-            found = sleep()
+            found = sleep(limit)
         hit = time.perf_counter() - start < spin
         self._hits += (hit - self._hits) / 4
         if hit:

@@ -2,13 +2,15 @@
 against the caller's end (``rrpc.grpc_call``) in this process: who polls,
 the ends, and a method that is not served."""
 
+import gc
 import queue
 import threading
 
 import grpc
 import pytest
 
-from harness import read_stream
+import rrpc
+from harness import read_stream, run_workers
 from rrpc import grpc_call, grpc_serve
 
 METHOD = "/test.Echo/Exchange"
@@ -164,3 +166,20 @@ def test_a_method_not_served_is_refused_unimplemented(served_streams):
     assert isinstance(ended, grpc_call.StreamEnded)
     assert ended.code() is grpc.StatusCode.UNIMPLEMENTED
     assert streams.empty()
+
+
+def _served_spins():
+    """This worker's incoming gRPC streams' spins (their readers' ``spin.Spin``)."""
+    return sorted({o._spin.spin for o in gc.get_objects() if isinstance(o, grpc_serve.Served)})
+
+
+def _spins_of_the_callee(rank, world_size):
+    if rank != 0:
+        return None
+    return rrpc.rpc_sync("worker1", _served_spins)
+
+
+@pytest.mark.timeout(120)
+def test_grpc_spin_reaches_the_readers_of_a_workers_streams():
+    env = {"RRPC_LANE": "0", "RRPC_GRPC_SPIN": "0.004"}  # calls over gRPC, a spin of 4 ms
+    assert run_workers(_spins_of_the_callee, env=env)[0] == [0.004]
