@@ -171,7 +171,7 @@ class Served(Sending):
         if not self._due:
             return
         if spin and timeout is None:
-            event = self._spin.wait(self._look, self._queue.poll, None)
+            event = self._spin.wait(self._look, 0.0, self._queue.poll, None)
         else:
             deadline = None if timeout is None else time.time() + timeout
             event = self._queue.poll(deadline)
@@ -199,10 +199,11 @@ class Served(Sending):
         if over:
             self._over_now()
 
-    def _look(self) -> Any:
-        """An event if one is there now, else None. (A deadline of now would
-        wait: gRPC's core rounds it up to the next millisecond.)"""
-        event = self._queue.poll(0.0)
+    def _look(self, deadline: float) -> Any:
+        """An event if one is there by ``deadline``, else None; 0.0 returns at
+        once (a deadline of now would wait: gRPC's core rounds it up to the
+        next millisecond)."""
+        event = self._queue.poll(deadline)
         return None if event.completion_type == cygrpc.CompletionType.queue_timeout else event
 
     _cancelled = False  # the stream ended cancelled (its end said so)

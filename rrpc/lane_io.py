@@ -121,11 +121,8 @@ class Reader:
     def _wait(self, timeout_ms: int) -> None:
         """Until the socket can be read (bytes, its end, an error) or
         ``timeout_ms`` passed; spinning first while waits have been short."""
-        self.spin.wait(self._look, self._poller.poll, timeout_ms)
-
-    def _look(self) -> list:
-        """Whether the socket can be read now, without waiting (a list: empty if not)."""
-        return self._poller.poll(0)
+        poll = self._poller.poll
+        self.spin.wait(poll, 0, poll, timeout_ms)
 
 
 def open_as_caller(

@@ -63,10 +63,12 @@ class Spin:
         self._waits = 0
         self._probe_every = self.PROBE_EVERY  # while spinning is off: one wait in this many spins
 
-    def wait(self, look: Callable[[], T], sleep: Callable[[Any], T], limit: Any) -> T:
-        """What ``look()`` (which must not block) finds, spinning first while
-        waits have been short, or else what ``sleep(limit)`` (which blocks,
-        ``limit`` its time limit in the sleeper's own terms) returns."""
+    def wait(self, look: Callable[[Any], T], now: Any, sleep: Callable[[Any], T], limit: Any) -> T:
+        """What ``look(now)`` (which must not block) finds, spinning first
+        while waits have been short, or else what ``sleep(limit)`` (which
+        blocks, ``limit`` its time limit in the sleeper's own terms) returns.
+        A lane passes its ``poll`` for both: the spin calls no Python function
+        per look, and holds the GIL the shorter between them."""
         spin = self.spin
         if not spin:
             return sleep(limit)
@@ -76,7 +78,7 @@ class Spin:
         if self._hits >= 0.5 or probe:
             end = start + spin
             alone = start + self.SPIN_ALONE
-            while not (found := look()):
+            while not (found := look(now)):
                 now = time.perf_counter()
                 if now >= end:
                     found = sleep(limit)
