@@ -63,8 +63,10 @@ class Spin:
         self._waits = 0
         self._probe_every = self.PROBE_EVERY  # while spinning is off: one wait in this many spins
 
-    def wait(self, look: Callable[[Any], T], now: Any, sleep: Callable[[Any], T], limit: Any) -> T:
-        """What ``look(now)`` (which must not block) finds, spinning first
+    def wait(
+        self, look: Callable[[Any], T], at_once: Any, sleep: Callable[[Any], T], limit: Any
+    ) -> T:
+        """What ``look(at_once)`` (which must not block) finds, spinning first
         while waits have been short, or else what ``sleep(limit)`` (which
         blocks, ``limit`` its time limit in the sleeper's own terms) returns.
         A lane passes its ``poll`` for both: the spin calls no Python function
@@ -78,7 +80,7 @@ class Spin:
         if self._hits >= 0.5 or probe:
             end = start + spin
             alone = start + self.SPIN_ALONE
-            while not (found := look(now)):
+            while not (found := look(at_once)):
                 now = time.perf_counter()
                 if now >= end:
                     found = sleep(limit)
