@@ -183,6 +183,11 @@ def _interrupt_once_waiting(connection, record):
 def _interrupted_while_reading(rank, world_size):
     if rank != 0:
         return None
+    # Python's own Ctrl-C handling, as a user's program has it, whatever this
+    # process inherited: a SIGINT ignored in the process that started the
+    # harness's fork server is ignored in every child it forks.
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    blocked = signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
     rrpc.rpc_sync("worker1", torch.add, args=(1, 1))
     connection = current_agent().routes.to(rrpc.get_worker_info("worker1"))[0]
     record: list[str] = []
@@ -196,7 +201,11 @@ def _interrupted_while_reading(rank, world_size):
     except KeyboardInterrupt:
         outcome = "interrupted"
     except RpcTimeoutError:
-        outcome = f"timed out, the signal {record}"
+        pending = signal.SIGINT in signal.sigpending()
+        outcome = (
+            f"timed out, the signal {record}; SIGINT's handler was {inherited!r}, "
+            f"blocked {signal.SIGINT in blocked}, now pending {pending}"
+        )
     for _ in range(10):  # the stream the signal cut may fail a call or two as it ends
         try:
             rrpc.rpc_sync("worker1", _release_the_blocked)
